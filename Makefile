@@ -1,0 +1,43 @@
+# Two commands on a fresh machine: `make smoke` (install + run the smoke pipeline) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+# CPU build from local disk here; on a CUDA box: make install TORCH="torch" (or keep the torch you have).
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+export KEDRO_DISABLE_TELEMETRY=1
+export MLFLOW_DISABLE_TELEMETRY=1
+export DO_NOT_TRACK=1
+export TOKENIZERS_PARALLELISM=false
+
+.PHONY: install smoke full test viz mlflow-ui benchmark-data clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+smoke: install
+	$(BIN)/kedro run --pipeline smoke
+
+full: install
+	$(BIN)/kedro run --pipeline full --params gpus=$${GPUS:-4}
+
+test: install
+	$(BIN)/python -m pytest
+
+viz: install
+	$(BIN)/kedro viz run --host 127.0.0.1
+
+mlflow-ui: install
+	$(BIN)/kedro mlflow ui --host 127.0.0.1
+
+benchmark-data: install
+	$(BIN)/python benchmarks/data_layer.py
+
+clean:
+	rm -rf mlflow.db mlruns .viz build
+	find data -mindepth 2 ! -name .gitkeep -delete

@@ -1,0 +1,4 @@
+"""lychee-pipeline
+"""
+
+__version__ = "0.1"
