@@ -4,7 +4,29 @@ from __future__ import annotations
 
 from kedro.pipeline import Pipeline
 
+from lychee_pipeline.pipelines import (
+    data_ingestion,
+    data_split,
+    demo_data,
+    evaluation,
+    image_normalization,
+    reporting,
+    training,
+)
+
 
 def register_pipelines() -> dict[str, Pipeline]:
     """Register the project's pipelines."""
-    return {"__default__": Pipeline([])}
+    data = data_ingestion.create_pipeline() + image_normalization.create_pipeline() + data_split.create_pipeline()
+    tail = evaluation.create_pipeline() + reporting.create_pipeline()
+    smoke = data + training.create_smoke_pipeline() + tail
+    full = data + training.create_pipeline() + tail
+    return {
+        "__default__": smoke,
+        "smoke": smoke,
+        "full": full,
+        "demo_data": demo_data.create_pipeline(),
+        "data": data,
+        "training": training.create_pipeline(),
+        "evaluation": evaluation.create_pipeline(),
+    }

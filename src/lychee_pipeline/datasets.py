@@ -1,0 +1,90 @@
+"""Custom Kedro datasets: Arrow tables stored as Parquet, and JSON-lines files of dicts."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from kedro.io.core import AbstractDataset, DatasetError
+
+
+def _atomic_target(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+class ArrowTableDataset(AbstractDataset[pa.Table, pa.Table]):
+    """A ``pyarrow.Table`` stored as one Parquet file (memory-mapped on load, atomic on save).
+
+    With ``missing_ok: true`` loading a file that does not exist returns ``None`` instead of
+    failing, so a node can take a previous run's output (for example the image manifest).
+    """
+
+    def __init__(
+        self,
+        filepath: str,
+        missing_ok: bool = False,
+        load_args: dict[str, Any] | None = None,
+        save_args: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
+        self._filepath = Path(filepath)
+        self._missing_ok = missing_ok
+        self._load_args = {"memory_map": True, **(load_args or {})}
+        self._save_args = {"compression": "zstd", **(save_args or {})}
+        self.metadata = metadata
+
+    def load(self) -> pa.Table | None:
+        """Read the Parquet file (``None`` when absent and ``missing_ok``)."""
+        if not self._filepath.exists():
+            if self._missing_ok:
+                return None
+            raise DatasetError(f"no Parquet file at {self._filepath}")
+        return pq.read_table(self._filepath, **self._load_args)
+
+    def save(self, data: pa.Table) -> None:
+        """Write ``data`` to a temporary file, then move it into place."""
+        if not isinstance(data, pa.Table):
+            raise DatasetError(f"ArrowTableDataset saves a pyarrow.Table, got {type(data).__name__}")
+        tmp = _atomic_target(self._filepath)
+        pq.write_table(data, tmp, **self._save_args)
+        os.replace(tmp, self._filepath)
+
+    def _exists(self) -> bool:
+        return self._filepath.exists()
+
+    def _describe(self) -> dict[str, Any]:
+        return {"filepath": str(PurePosixPath(self._filepath)), "missing_ok": self._missing_ok}
+
+
+class JSONLinesDataset(AbstractDataset[list[dict[str, Any]], list[dict[str, Any]]]):
+    """A list of JSON objects, one per line (UTF-8, no ASCII escaping), saved atomically."""
+
+    def __init__(self, filepath: str, metadata: dict[str, Any] | None = None) -> None:
+        self._filepath = Path(filepath)
+        self.metadata = metadata
+
+    def load(self) -> list[dict[str, Any]]:
+        """Read every line as a JSON object."""
+        if not self._filepath.exists():
+            raise DatasetError(f"no JSON-lines file at {self._filepath}")
+        with self._filepath.open(encoding="utf-8") as handle:
+            return [json.loads(line) for line in handle if line.strip()]
+
+    def save(self, data: list[dict[str, Any]]) -> None:
+        """Write one JSON object per line."""
+        tmp = _atomic_target(self._filepath)
+        with tmp.open("w", encoding="utf-8") as handle:
+            for row in data:
+                handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+        os.replace(tmp, self._filepath)
+
+    def _exists(self) -> bool:
+        return self._filepath.exists()
+
+    def _describe(self) -> dict[str, Any]:
+        return {"filepath": str(PurePosixPath(self._filepath))}

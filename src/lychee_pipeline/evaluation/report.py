@@ -1,0 +1,365 @@
+"""The evaluation report: one metrics document (JSON), a Markdown report, PNG plots, MLflow metrics.
+
+Plots are ``matplotlib.figure.Figure`` objects built without pyplot, so no GUI backend and no global
+figure state is involved; saving them as PNG goes through Agg.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from lychee_pipeline.evaluation.metrics import METRIC_NAMES
+
+METRIC_LABELS = {
+    "mrr_at_10": "MRR@10",
+    "ndcg_at_10": "NDCG@10",
+    "recall_at_1": "Recall@1",
+    "recall_at_5": "Recall@5",
+    "recall_at_10": "Recall@10",
+    "map": "MAP",
+}
+PLOT_FILES = ("loss_curves.png", "metric_bars.png", "task_type_bars.png", "scaling.png")
+
+
+# --------------------------------------------------------------------------- losses
+
+
+def loss_points(losses: Any) -> list[tuple[float, float]]:
+    """Normalise a stage's losses to ``[(step, loss), ...]``.
+
+    Accepts pairs ``(step, loss)``, dicts with ``step`` and ``loss``, or bare numbers (step = 1, 2, ...).
+    """
+    points: list[tuple[float, float]] = []
+    for i, item in enumerate(losses or []):
+        if isinstance(item, Mapping):
+            points.append((float(item.get("step", i + 1)), float(item["loss"])))
+        elif isinstance(item, Sequence) and not isinstance(item, str):
+            points.append((float(item[0]), float(item[1])))
+        else:
+            points.append((float(i + 1), float(item)))
+    return points
+
+
+def training_summary(stage_losses: Mapping[str, Any]) -> dict[str, dict[str, float | int | None]]:
+    """Per stage: number of logged steps, first and final loss."""
+    out: dict[str, dict[str, float | int | None]] = {}
+    for stage, losses in stage_losses.items():
+        pts = loss_points(losses)
+        out[stage] = {
+            "n_points": len(pts),
+            "first_loss": pts[0][1] if pts else None,
+            "final_loss": pts[-1][1] if pts else None,
+            "last_step": pts[-1][0] if pts else None,
+        }
+    return out
+
+
+# --------------------------------------------------------------------------- document
+
+
+def build_metrics_document(
+    ranking: Mapping[str, Any],
+    business: Mapping[str, Any],
+    scaling: Mapping[str, Any] | None,
+    stage_losses: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Everything the report shows, in one JSON-ready dict."""
+    return {
+        "ranking": dict(ranking),
+        "business": dict(business),
+        "scaling": dict(scaling) if scaling is not None else None,
+        "training": training_summary(stage_losses or {}),
+    }
+
+
+def _key(part: Any) -> str:
+    return re.sub(r"[^0-9A-Za-z_\-]", "_", str(part))
+
+
+def _num(value: Any) -> float | None:
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def mlflow_metrics(document: Mapping[str, Any], prefix: str = "test") -> dict[str, float]:
+    """A flat ``{name: float}`` of every numeric figure, with MLflow-safe names.
+
+    ``test.<metric>.<model>`` for each model (``base``, every stage, and ``finetuned`` for the
+    headline one), ``test.<metric>.{diff,ci_low,ci_high,p_value}`` for the headline comparison
+    (``test.<metric>.<stage>.diff`` ... for every compared stage),
+    ``test.by_<attr>.<group>.<metric>.<model>``, ``business.<metric>.{base,finetuned,uplift,uplift_rel}``,
+    ``scaling.<stage>.<field>`` and ``training.<stage>.final_loss``. Missing values are left out.
+    """
+    out: dict[str, float] = {}
+
+    def put(name: str, value: Any) -> None:
+        v = _num(value)
+        if v is not None:
+            out[name] = v
+
+    ranking = document.get("ranking") or {}
+    headline = ranking.get("finetuned")
+    for model, figures in (ranking.get("models") or {}).items():
+        aliases = [_key(model)] + (["finetuned"] if model == headline else [])
+        for alias in aliases:
+            for metric, value in figures["overall"].items():
+                put(f"{prefix}.{metric}.{alias}", value)
+            for attr in ("task_type", "language"):
+                for group, values in (figures.get(f"by_{attr}") or {}).items():
+                    for metric, value in values.items():
+                        put(f"{prefix}.by_{attr}.{_key(group)}.{metric}.{alias}", value)
+    for model, comparison in (ranking.get("comparisons") or {}).items():
+        for metric, row in comparison.items():
+            for field in ("diff", "ci_low", "ci_high", "p_value"):
+                put(f"{prefix}.{metric}.{_key(model)}.{field}", row.get(field))
+                if model == headline:
+                    put(f"{prefix}.{metric}.{field}", row.get(field))
+    business = document.get("business") or {}
+    for metric, row in (business.get("comparison") or {}).items():
+        for field, value in row.items():
+            put(f"business.{metric}.{field}", value)
+    for model, figures in (business.get("models") or {}).items():
+        for metric, value in figures.items():
+            put(f"business.{metric}.{_key(model)}", value)
+    for row in ((document.get("scaling") or {}).get("rows") or []):
+        for field in ("devices", "wall_time_s", "pairs_per_s", "scaling_efficiency", "peak_mem_gib_max",
+                      "epoch_time_s", "device_hours_per_epoch", "relative_device_hours", "mrr_at_10"):
+            put(f"scaling.{_key(row['stage'])}.{field}", row.get(field))
+    for stage, summary in (document.get("training") or {}).items():
+        put(f"training.{_key(stage)}.final_loss", summary.get("final_loss"))
+    return out
+
+
+# --------------------------------------------------------------------------- Markdown
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    v = _num(value)
+    if v is None:
+        return "–"
+    return f"{v:.{digits}f}"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def render_markdown(document: Mapping[str, Any], plots_dir: str = "plots") -> str:
+    """The human-readable report; plots are linked relative to the report's folder."""
+    ranking = document.get("ranking") or {}
+    models = ranking.get("models") or {}
+    base, headline = ranking.get("base"), ranking.get("finetuned")
+    lines = ["# Evaluation report", ""]
+    lines += [
+        f"Ranking measures: {ranking.get('library', '?')}; candidates shuffled with seed {ranking.get('seed')} "
+        "before a stable sort by score, so ties are broken at random but reproducibly.",
+        "",
+        f"Base model: `{base}`; headline fine-tuned model: `{headline}`.",
+        "",
+        "## Ranking quality (test split)",
+        "",
+    ]
+    lines += _table(
+        ["model", "queries"] + [METRIC_LABELS[m] for m in METRIC_NAMES],
+        [[m, f["overall"]["n_queries"]] + [_fmt(f["overall"][k]) for k in METRIC_NAMES] for m, f in models.items()],
+    )
+    if ranking.get("n_queries_without_positive"):
+        lines += ["", f"{ranking['n_queries_without_positive']} test queries had no relevant candidate and were left out."]
+    for model, comparison in (ranking.get("comparisons") or {}).items():
+        level = next(iter(comparison.values()), {}).get("confidence_level", 0.95)
+        lines += ["", f"### `{model}` vs `{base}` (paired over queries)", ""]
+        lines += _table(
+            ["measure", "base", "fine-tuned", "difference", f"{100 * level:.0f}% CI of difference", "p-value"],
+            [[METRIC_LABELS[k], _fmt(r["base"]), _fmt(r["finetuned"]), _fmt(r["diff"]),
+              f"[{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}]", _fmt(r["p_value"], 4)] for k, r in comparison.items()],
+        )
+    for attr, title in (("task_type", "task type"), ("language", "query language")):
+        groups = sorted({g for f in models.values() for g in (f.get(f"by_{attr}") or {})})
+        if not groups:
+            continue
+        lines += ["", f"## MRR@10 and NDCG@10 by {title}", ""]
+        rows = []
+        for g in groups:
+            row: list[Any] = [g]
+            for m, f in models.items():
+                cell = (f.get(f"by_{attr}") or {}).get(g)
+                row.append(f"{_fmt(cell['mrr_at_10'])} / {_fmt(cell['ndcg_at_10'])} (n={cell['n_queries']})"
+                           if cell else "–")
+            rows.append(row)
+        lines += _table([title] + list(models), rows)
+    business = document.get("business") or {}
+    if business.get("comparison"):
+        exam = business.get("examination")
+        lines += [
+            "", "## Business proxies", "",
+            f"Position-based click model, examination `{exam}`; tail = least popular "
+            f"{100 * business.get('tail_fraction', 0.8):.0f}% of the candidate catalogue "
+            f"({business.get('n_tail_items')} items). Formulas: docs/metrics.md.", "",
+        ]
+        lines += _table(
+            ["metric", "base", "fine-tuned", "uplift", "relative uplift"],
+            [[k, _fmt(r["base"]), _fmt(r["finetuned"]), _fmt(r["uplift"]),
+              (f"{100 * r['uplift_rel']:+.1f}%" if _num(r["uplift_rel"]) is not None else "–")]
+             for k, r in business["comparison"].items()],
+        )
+    scaling = document.get("scaling") or {}
+    lines += ["", "## Scaling", ""]
+    if scaling.get("rows"):
+        lines += [f"Full training set: {scaling.get('full_train_pairs')} pairs.", ""]
+        lines += _table(
+            ["stage", "devices", "wall time (s)", "pairs/s", "efficiency", "peak mem/device (GiB)",
+             "epoch (h)", "device-h/epoch", "relative device-h", "MRR@10"],
+            [[r["stage"], r["label"], _fmt(r["wall_time_s"], 1), _fmt(r["pairs_per_s"], 2),
+              (f"{100 * r['scaling_efficiency']:.0f}%" if _num(r.get("scaling_efficiency")) is not None else "–"),
+              ", ".join(f"{m:.2f}" for m in r["peak_mem_gib"]) or "–",
+              _fmt(r["epoch_time_s"] / 3600 if _num(r["epoch_time_s"]) is not None else None, 3),
+              _fmt(r["device_hours_per_epoch"], 3), _fmt(r.get("relative_device_hours"), 2), _fmt(r["mrr_at_10"])]
+             for r in scaling["rows"]],
+        )
+        lines += ["", scaling.get("summary", "")]
+    else:
+        lines += ["No training stage ran."]
+    training = document.get("training") or {}
+    if training:
+        lines += ["", "## Training losses", ""]
+        lines += _table(["stage", "points", "first loss", "final loss"],
+                        [[s, t["n_points"], _fmt(t["first_loss"]), _fmt(t["final_loss"])] for s, t in training.items()])
+    lines += ["", "## Plots", ""]
+    lines += [f"![{name[:-4]}]({plots_dir}/{name})" for name in PLOT_FILES]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _figure(width: float = 8.0, height: float = 4.5) -> Figure:
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _empty(ax: Any, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
+    ax.set_axis_off()
+
+
+def plot_loss_curves(stage_losses: Mapping[str, Any]) -> Figure:
+    """Training loss against step, one line per stage."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    drawn = False
+    for stage, losses in stage_losses.items():
+        pts = loss_points(losses)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None, label=stage)
+            drawn = True
+    if drawn:
+        ax.set(xlabel="step", ylabel="training loss", title="Training loss per stage")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    else:
+        _empty(ax, "no training losses recorded")
+    return fig
+
+
+def _grouped_bars(ax: Any, groups: Sequence[str], series: Mapping[str, Sequence[float]]) -> None:
+    x = np.arange(len(groups))
+    width = 0.8 / max(len(series), 1)
+    for i, (name, values) in enumerate(series.items()):
+        vals = [v if _num(v) is not None else 0.0 for v in values]
+        bars = ax.bar(x + (i - (len(series) - 1) / 2) * width, vals, width, label=name)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks(x, groups)
+    ax.set_ylim(0, 1.12)
+    if series:
+        ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+
+
+def plot_metric_bars(ranking: Mapping[str, Any]) -> Figure:
+    """Every ranking measure, one bar per model."""
+    fig = _figure(9.0, 4.5)
+    ax = fig.add_subplot()
+    models = ranking.get("models") or {}
+    if not models:
+        _empty(ax, "no models were evaluated")
+        return fig
+    series = {m: [f["overall"][k] for k in METRIC_NAMES] for m, f in models.items()}
+    _grouped_bars(ax, [METRIC_LABELS[k] for k in METRIC_NAMES], series)
+    ax.set(title="Ranking quality on the test split", ylabel="score")
+    return fig
+
+
+def plot_task_type_bars(ranking: Mapping[str, Any], metric: str = "mrr_at_10") -> Figure:
+    """One measure per task type, one bar per model."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    models = ranking.get("models") or {}
+    groups = sorted({g for f in models.values() for g in (f.get("by_task_type") or {})})
+    if not groups:
+        _empty(ax, "no task types in the test data")
+        return fig
+    series = {m: [((f.get("by_task_type") or {}).get(g) or {}).get(metric) for g in groups] for m, f in models.items()}
+    _grouped_bars(ax, groups, series)
+    ax.set(title=f"{METRIC_LABELS.get(metric, metric)} by task type", ylabel=METRIC_LABELS.get(metric, metric))
+    return fig
+
+
+def plot_scaling(scaling: Mapping[str, Any] | None) -> Figure:
+    """Throughput against devices (with ideal linear scaling) and scaling efficiency."""
+    fig = _figure(10.0, 4.0)
+    rows = (scaling or {}).get("rows") or []
+    if not rows:
+        _empty(fig.add_subplot(), "no training stage ran")
+        return fig
+    ax1, ax2 = fig.subplots(1, 2)
+    for device_type in sorted({r["device_type"] for r in rows}):
+        group = sorted((r for r in rows if r["device_type"] == device_type), key=lambda r: r["devices"])
+        kind = "GPUs" if device_type == "cuda" else "CPU processes"
+        n = [r["devices"] for r in group]
+        ax1.plot(n, [r["pairs_per_s"] for r in group], marker="o", label=f"measured ({kind})")
+        ref = group[0]
+        per_device = ref["pairs_per_s"] / ref["devices"]
+        ax1.plot(n, [per_device * d for d in n], linestyle="--", label=f"linear ({kind})")
+        ax2.bar([f"{r['label']}\n{r['stage']}" for r in group],
+                [100 * (r.get("scaling_efficiency") or 0.0) for r in group])
+    ax1.set(xlabel="devices", ylabel="pairs / s", title="Training throughput")
+    ax1.set_xticks(sorted({r["devices"] for r in rows}))
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    ax2.axhline(100, color="grey", linestyle="--", linewidth=1)
+    ax2.set(ylabel="scaling efficiency (%)", title="Efficiency vs the smallest device count")
+    return fig
+
+
+def build_plots(document: Mapping[str, Any], stage_losses: Mapping[str, Any]) -> dict[str, Figure]:
+    """``{file name: figure}`` for the four plots in :data:`PLOT_FILES`."""
+    ranking = document.get("ranking") or {}
+    return {
+        "loss_curves.png": plot_loss_curves(stage_losses),
+        "metric_bars.png": plot_metric_bars(ranking),
+        "task_type_bars.png": plot_task_type_bars(ranking),
+        "scaling.png": plot_scaling(document.get("scaling")),
+    }
+
+
+def figure_png(fig: Figure, dpi: int = 120) -> bytes:
+    """The figure as PNG bytes."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    return buffer.getvalue()

@@ -1,0 +1,118 @@
+"""The scaling report: how throughput, cost and quality change with the number of devices.
+
+Input: one dict per training stage, with at least ``stage`` (or ``name``), ``devices``,
+``device_type`` (``"cuda"`` or ``"cpu"``), ``wall_time_s``, ``train_pairs``, and optionally
+``pairs_per_s`` (else ``train_pairs / wall_time_s``), ``peak_mem_gib`` (one number per device, or a
+single number) and ``mrr_at_10``.
+
+Per stage:
+
+* ``pairs_per_s``: training pairs processed per second, all devices together.
+* ``scaling_efficiency = pairs_per_s(N) / (N * pairs_per_s(1))`` against the 1-device stage of the
+  same device type. Without a 1-device stage the smallest device count ``M`` of that type is the
+  reference: ``pairs_per_s(N) * M / (N * pairs_per_s(M))`` (the ``reference_devices`` field says so).
+* ``epoch_time_s = full_train_pairs / pairs_per_s``: the projected time of one epoch over the full
+  training set.
+* ``device_hours_per_epoch = N * epoch_time_s / 3600`` (GPU-hours for CUDA stages), and
+  ``relative_device_hours`` the same divided by the reference's (1 / efficiency).
+* ``peak_mem_gib_max`` and the per-device list.
+
+The most cost-effective device count is the one with the fewest device-hours per epoch (ties go to
+the faster, then to fewer devices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def device_label(devices: int, device_type: str) -> str:
+    """``"4 GPUs"``, ``"1 GPU"``, ``"2 CPU processes"``."""
+    if device_type == "cpu":
+        return f"{devices} CPU process" + ("" if devices == 1 else "es")
+    return f"{devices} GPU" + ("" if devices == 1 else "s")
+
+
+def _stage_name(stage: Mapping[str, Any], index: int) -> str:
+    return str(stage.get("stage") or stage.get("name") or f"stage_{index}")
+
+
+def _row(stage: Mapping[str, Any], index: int, full_train_pairs: int | None) -> dict[str, Any]:
+    devices = int(stage["devices"])
+    if devices < 1:
+        raise ValueError(f"stage {_stage_name(stage, index)!r}: devices must be at least 1")
+    device_type = str(stage.get("device_type", "cuda"))
+    wall = float(stage["wall_time_s"])
+    pairs = int(stage["train_pairs"])
+    pps = stage.get("pairs_per_s")
+    pps = float(pps) if pps is not None else (pairs / wall if wall > 0 else float("nan"))
+    mem = stage.get("peak_mem_gib")
+    mem_list = [float(m) for m in mem] if isinstance(mem, Sequence) and not isinstance(mem, str) else (
+        [float(mem)] if mem is not None else [])
+    epoch = full_train_pairs / pps if full_train_pairs and pps > 0 else None
+    mrr = stage.get("mrr_at_10")
+    return {
+        "stage": _stage_name(stage, index),
+        "devices": devices,
+        "device_type": device_type,
+        "label": device_label(devices, device_type),
+        "wall_time_s": wall,
+        "train_pairs": pairs,
+        "pairs_per_s": pps,
+        "peak_mem_gib": mem_list,
+        "peak_mem_gib_max": max(mem_list) if mem_list else None,
+        "epoch_time_s": epoch,
+        "device_hours_per_epoch": devices * epoch / 3600.0 if epoch is not None else None,
+        "mrr_at_10": float(mrr) if mrr is not None else None,
+    }
+
+
+def scaling_report(stages: Sequence[Mapping[str, Any]], full_train_pairs: int | None) -> dict[str, Any]:
+    """Rows per stage (see the module text), the cost-effectiveness verdict and a one-line summary."""
+    rows = [_row(s, i, full_train_pairs) for i, s in enumerate(stages)]
+    for device_type in {r["device_type"] for r in rows}:
+        group = [r for r in rows if r["device_type"] == device_type]
+        ref = min(group, key=lambda r: (r["devices"], -r["pairs_per_s"]))
+        per_device = ref["pairs_per_s"] / ref["devices"]
+        for r in group:
+            r["reference_devices"] = ref["devices"]
+            r["scaling_efficiency"] = r["pairs_per_s"] / (r["devices"] * per_device) if per_device > 0 else None
+            if r["device_hours_per_epoch"] is not None and ref["device_hours_per_epoch"]:
+                r["relative_device_hours"] = r["device_hours_per_epoch"] / ref["device_hours_per_epoch"]
+            else:
+                r["relative_device_hours"] = None
+    costed = [r for r in rows if r["device_hours_per_epoch"] is not None]
+    best = min(costed, key=lambda r: (r["device_hours_per_epoch"], r["epoch_time_s"], r["devices"])) if costed else None
+    fastest = min(costed, key=lambda r: (r["epoch_time_s"], r["devices"])) if costed else None
+    if best is None:
+        summary = ("No stage ran, so there is no scaling verdict." if not rows else
+                   "The full training-set size is unknown, so no epoch time or cost could be projected.")
+    else:
+        unit = "GPU-hours" if best["device_type"] == "cuda" else "CPU-process-hours"
+        summary = (
+            f"Most cost-effective: {best['label']} ({best['stage']}), "
+            f"{best['device_hours_per_epoch']:.3g} {unit} per epoch at "
+            f"{100 * best['scaling_efficiency']:.0f}% scaling efficiency"
+        )
+        if fastest is not None and fastest is not best:
+            fast_unit = "GPU-hours" if fastest["device_type"] == "cuda" else "CPU-process-hours"
+            summary += (
+                f"; fastest: {fastest['label']} ({fastest['stage']}), "
+                f"{fastest['epoch_time_s'] / 3600:.3g} h per epoch for "
+                f"{fastest['device_hours_per_epoch']:.3g} {fast_unit}"
+            )
+        summary += "."
+    return {
+        "full_train_pairs": full_train_pairs,
+        "rows": rows,
+        "most_cost_effective": (
+            {"stage": best["stage"], "devices": best["devices"], "device_type": best["device_type"],
+             "label": best["label"]} if best else None
+        ),
+        "fastest": (
+            {"stage": fastest["stage"], "devices": fastest["devices"], "device_type": fastest["device_type"],
+             "label": fastest["label"]} if fastest else None
+        ),
+        "summary": summary,
+    }

@@ -1,0 +1,92 @@
+"""Ingestion nodes: find the raw JSONL, then parse, validate, normalize, id and deduplicate it."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from lychee_pipeline.pipelines.data_ingestion.records import chunk_ranges, jsonl_files, parse_chunk, read_line_at
+from lychee_pipeline.pipelines.demo_data.catalogue import ensure_demo_data
+from lychee_pipeline.schema import MODEL_INPUT_SCHEMA
+
+logger = logging.getLogger(__name__)
+
+
+def locate_raw_data(data: dict[str, Any], demo_data: dict[str, Any]) -> dict[str, Any]:
+    """Describe the raw JSONL files and image roots: the user's (`data.raw_path`) or the generated demo data."""
+    if data.get("raw_path"):
+        files = jsonl_files(str(data["raw_path"]))
+        roots = data.get("image_roots") or [str(Path(files[0]).parent)]
+        source = {"files": files, "image_roots": [str(Path(r).expanduser().resolve()) for r in roots], "demo": False}
+    else:
+        demo = ensure_demo_data(demo_data)
+        source = {"files": demo["files"], "image_roots": demo["image_roots"], "demo": True}
+    logger.info("raw data: %d JSONL file(s), image roots %s", len(source["files"]), source["image_roots"])
+    return source
+
+
+def _parsed_chunks(files: list[str], ingestion: dict[str, Any]):
+    """Parsed byte ranges in file order: in this process, or in a pool of spawned workers for big inputs."""
+    workers = int(ingestion.get("workers", 2))
+    chunk_bytes = max(1, int(float(ingestion.get("chunk_mb", 16)) * 2**20))
+    batch_size = int(ingestion.get("batch_size", 20000))
+    max_raw_chars = int(ingestion.get("rejected_raw_chars", 10000))
+    ranges = chunk_ranges(files, chunk_bytes)
+    tasks = [(file, start, end, batch_size, max_raw_chars) for file, start, end in ranges]
+    if workers <= 1 or len(tasks) < 2:
+        yield from map(parse_chunk, tasks)
+        return
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield from pool.map(parse_chunk, tasks)
+
+
+def ingest_records(raw_source: dict[str, Any], ingestion: dict[str, Any]) -> tuple[pa.Table, list[dict], dict]:
+    """Stream every line into validated records, rejected lines (with reasons) and counts; drop exact duplicates."""
+    max_raw_chars = int(ingestion.get("rejected_raw_chars", 10000))
+    tables: list[pa.Table] = []
+    rejected: list[dict[str, Any]] = []
+    seen_content: set[bytes] = set()
+    seen_ids: dict[str, str] = {}
+    lines_in = duplicates = 0
+    line_base: dict[str, int] = {}
+    for chunk in _parsed_chunks(raw_source["files"], ingestion):
+        file, base = chunk["file"], line_base.get(chunk["file"], 0)
+        line_base[file] = base + chunk["n_lines"]
+        lines_in += chunk["n_lines"]
+        events = [(r["line"], r) for r in chunk["rejected"]]
+        keep = []
+        for line, digest, given_id, offset in chunk["keys"]:
+            if digest in seen_content:
+                duplicates += 1
+                keep.append(False)
+                continue
+            record_id = given_id or "r" + digest.hex()[:16]
+            if record_id in seen_ids:
+                reason = f"duplicate id '{record_id}' (first at {seen_ids[record_id]})"
+                raw = read_line_at(file, offset).decode("utf-8", errors="replace")[:max_raw_chars]
+                events.append((line, {"file": file, "line": line, "reason": reason, "raw": raw}))
+                keep.append(False)
+                continue
+            seen_ids[record_id] = f"{file}:{base + line}"
+            seen_content.add(digest)
+            keep.append(True)
+        for _, row in sorted(events, key=lambda e: e[0]):
+            rejected.append({**row, "line": base + row["line"]})
+        table = chunk["table"]
+        tables.append(table if all(keep) else table.filter(pa.array(keep, pa.bool_())))
+    table = pa.concat_tables(tables) if tables else MODEL_INPUT_SCHEMA.empty_table()
+    counts = {"lines_in": lines_in, "clean": table.num_rows, "rejected": len(rejected), "duplicates": duplicates}
+    if counts["lines_in"] != counts["clean"] + counts["rejected"] + counts["duplicates"]:
+        raise AssertionError(f"count invariant broken: {counts}")
+    logger.info(
+        "ingestion: lines_in=%d == clean=%d + rejected=%d + duplicates=%d",
+        lines_in, counts["clean"], counts["rejected"], duplicates,
+    )
+    for row in rejected[:5]:
+        logger.warning("rejected %s:%d: %s", row["file"], row["line"], row["reason"])
+    return table, rejected, counts

@@ -1,0 +1,22 @@
+"""The data_ingestion pipeline: raw JSONL -> ingested records, rejected lines, counts (02_intermediate)."""
+
+from __future__ import annotations
+
+from kedro.pipeline import Pipeline, node
+
+from lychee_pipeline.pipelines.data_ingestion.nodes import ingest_records, locate_raw_data
+
+
+def create_pipeline(**kwargs) -> Pipeline:
+    """Locate the raw data, then parse and validate it."""
+    return Pipeline(
+        [
+            node(locate_raw_data, ["params:data", "params:demo_data"], "raw_source", name="locate_raw_data"),
+            node(
+                ingest_records,
+                ["raw_source", "params:data.ingestion"],
+                ["ingested_records", "rejected_lines", "ingestion_counts"],
+                name="parse_validate_dedup_records",
+            ),
+        ]
+    )

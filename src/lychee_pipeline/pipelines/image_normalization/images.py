@@ -1,0 +1,90 @@
+"""Image path resolution with root confinement, and one-time image verification (Kedro-free)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+Image.MAX_IMAGE_PIXELS = None  # the pixel limit is checked here, against the configured parameter
+
+
+class Resolver:
+    """Resolves image references against several roots; refuses any path that leaves them."""
+
+    def __init__(self, roots: list[str]) -> None:
+        if not roots:
+            raise ValueError("at least one image root is needed")
+        self.roots = [Path(r).expanduser().resolve() for r in roots]
+        self._cache: dict[str, tuple[str | None, str | None]] = {}
+
+    def _inside(self, path: Path) -> bool:
+        return any(path == root or path.is_relative_to(root) for root in self.roots)
+
+    def resolve(self, ref: str) -> tuple[str | None, str | None]:
+        """(absolute resolved path, None) or (None, reason). Symlinks are resolved before the check."""
+        hit = self._cache.get(ref)
+        if hit is not None:
+            return hit
+        given = Path(ref).expanduser()
+        candidates = [given.resolve()] if given.is_absolute() else [(root / given).resolve() for root in self.roots]
+        inside = [c for c in candidates if self._inside(c)]
+        if not inside:
+            result: tuple[str | None, str | None] = (None, f"path escapes the image roots: {ref}")
+        else:
+            found = next((c for c in inside if c.exists()), None)
+            result = (str(found), None) if found else (None, f"image not found: {ref}")
+        self._cache[ref] = result
+        return result
+
+
+def stat_key(path: str) -> tuple[int, int] | None:
+    """(size in bytes, mtime in ns) of a file, or None when it cannot be stat-ed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+def check_image(path: str, max_pixels: int) -> dict[str, Any]:
+    """Open, verify and fully decode one image; return its manifest row (ok, reason, size, format, mode)."""
+    row: dict[str, Any] = {"path": path, "ok": False, "reason": None, "width": None, "height": None,
+                           "format": None, "mode": None, "frames": None, "size_bytes": None,
+                           "mtime_ns": None, "max_pixels": max_pixels}
+    key = stat_key(path)
+    if key is None:
+        row["reason"] = "image not found"
+        return row
+    row["size_bytes"], row["mtime_ns"] = key
+    if key[0] == 0:
+        row["reason"] = "zero-byte file"
+        return row
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                row.update(width=image.width, height=image.height, format=image.format, mode=image.mode,
+                           frames=int(getattr(image, "n_frames", 1)))
+                if image.width * image.height > max_pixels:
+                    row["reason"] = f"too many pixels: {image.width}x{image.height} > {max_pixels}"
+                    return row
+                image.verify()
+            with Image.open(path) as image:
+                image.load()
+    except Image.UnidentifiedImageError:
+        row["reason"] = "not a decodable image"
+        return row
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, EOFError) as error:
+        row["reason"] = f"corrupt image: {error}"
+        return row
+    row["ok"] = True
+    return row
+
+
+def check_image_task(args: tuple[str, int]) -> dict[str, Any]:
+    """Process-pool entry point for :func:`check_image`."""
+    return check_image(*args)

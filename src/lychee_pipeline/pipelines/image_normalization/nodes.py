@@ -1,0 +1,152 @@
+"""Image-normalization nodes: verify each unique image once, then resolve and filter the records."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from tqdm.auto import tqdm
+
+from lychee_pipeline.pipelines.image_normalization.images import Resolver, check_image, check_image_task, stat_key
+from lychee_pipeline.schema import MANIFEST_SCHEMA, MODEL_INPUT_SCHEMA, QUARANTINE_SCHEMA, REMOVED_NEGATIVE_SCHEMA
+
+logger = logging.getLogger(__name__)
+
+
+def image_refs(records: pa.Table) -> list[str]:
+    """Every distinct image reference of the records (queries, positives, negatives)."""
+    columns = [pc.struct_field(records.column("query"), "image")]
+    for name in ("positives", "negatives"):
+        columns.append(pc.struct_field(pc.list_flatten(records.column(name)), "image"))
+    refs: set[str] = set()
+    for column in columns:
+        refs.update(v for v in pc.unique(column).to_pylist() if v is not None)
+    return sorted(refs)
+
+
+def check_images(
+    ingested_records: pa.Table,
+    previous_manifest: pa.Table | None,
+    raw_source: dict[str, Any],
+    image_check: dict[str, Any],
+) -> pa.Table:
+    """Verify each unique resolved image once (in a process pool), reusing unchanged rows of the previous manifest."""
+    max_pixels = int(image_check.get("max_pixels", 50_000_000))
+    workers = int(image_check.get("workers", 2))
+    resolver = Resolver(raw_source["image_roots"])
+    paths = sorted({p for p in (resolver.resolve(r)[0] for r in image_refs(ingested_records)) if p})
+    previous: dict[str, dict[str, Any]] = {}
+    if previous_manifest is not None and previous_manifest.num_rows:
+        for row in previous_manifest.to_pylist():
+            if row.get("max_pixels") == max_pixels:
+                previous[row["path"]] = row
+    rows: list[dict[str, Any]] = []
+    todo: list[str] = []
+    for path in paths:
+        old = previous.get(path)
+        if old is not None and old["size_bytes"] is not None and stat_key(path) == (old["size_bytes"], old["mtime_ns"]):
+            rows.append(old)
+        else:
+            todo.append(path)
+    logger.info("images: %d unique, %d reused from the manifest, %d to check", len(paths), len(rows), len(todo))
+    progress = tqdm(total=len(todo), desc="checking images", unit="img", disable=not todo)
+    if workers > 1 and len(todo) > 64:
+        # spawn: workers start small instead of inheriting a copy of this process's memory
+        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for row in pool.map(check_image_task, ((p, max_pixels) for p in todo), chunksize=256):
+                rows.append(row)
+                progress.update()
+    else:
+        for path in todo:
+            rows.append(check_image(path, max_pixels))
+            progress.update()
+    progress.close()
+    rows.sort(key=lambda r: r["path"])
+    manifest = pa.Table.from_pylist(rows, schema=MANIFEST_SCHEMA)
+    bad = len(rows) - sum(r["ok"] for r in rows)
+    logger.info("image manifest: %d images, %d bad", len(rows), bad)
+    return manifest
+
+
+def _fix(item: dict[str, Any], resolver: Resolver, status: dict[str, str | None]) -> str | None:
+    """Replace ``item['image']`` by its absolute path; return the reason when it is unusable."""
+    ref = item.get("image")
+    if ref is None:
+        return None
+    path, reason = resolver.resolve(ref)
+    if path is None:
+        return reason
+    if path not in status:
+        return f"image not in the manifest: {ref}"
+    if status[path] is not None:
+        return f"{status[path]}: {ref}"
+    item["image"] = path
+    return None
+
+
+def normalize_records(
+    ingested_records: pa.Table,
+    image_manifest: pa.Table,
+    raw_source: dict[str, Any],
+    normalization: dict[str, Any],
+) -> tuple[pa.Table, pa.Table, pa.Table, dict[str, int]]:
+    """Make image paths absolute; quarantine records with a bad query/positive image or too few negatives."""
+    policy = normalization.get("policy", "quarantine")
+    if policy not in ("quarantine", "fail"):
+        raise ValueError(f"normalization.policy must be 'quarantine' or 'fail', got {policy!r}")
+    min_negatives = int(normalization.get("min_negatives", 1))
+    resolver = Resolver(raw_source["image_roots"])
+    status = dict(zip(image_manifest.column("path").to_pylist(),
+                      [None if ok else reason for ok, reason in zip(image_manifest.column("ok").to_pylist(),
+                                                                     image_manifest.column("reason").to_pylist())]))
+    good_batches, bad_batches = [], []
+    removed: list[dict[str, Any]] = []
+    for batch in ingested_records.to_batches(max_chunksize=20000):
+        good, bad = [], []
+        for row in batch.to_pylist():
+            reason = _fix(row["query"], resolver, status)
+            reason = f"query {reason}" if reason else None
+            for doc in row["positives"]:
+                if reason:
+                    break
+                problem = _fix(doc, resolver, status)
+                reason = f"positive {doc['doc_id']}: {problem}" if problem else None
+            if not reason:
+                kept = []
+                for doc in row["negatives"]:
+                    problem = _fix(doc, resolver, status)
+                    if problem:
+                        removed.append({"record_id": row["record_id"], "doc_id": doc["doc_id"],
+                                        "image": doc["image"], "reason": problem})
+                    else:
+                        kept.append(doc)
+                row["negatives"] = kept
+                if len(kept) < min_negatives:
+                    reason = f"fewer than min_negatives: {len(kept)} < {min_negatives}"
+            if reason:
+                if policy == "fail":
+                    raise ValueError(f"record {row['record_id']}: {reason} (normalization.policy is 'fail')")
+                row["reason"] = reason
+                bad.append(row)
+            else:
+                good.append(row)
+        good_batches.append(pa.RecordBatch.from_pylist(good, schema=MODEL_INPUT_SCHEMA))
+        bad_batches.append(pa.RecordBatch.from_pylist(bad, schema=QUARANTINE_SCHEMA))
+    if policy == "fail" and removed:
+        raise ValueError(f"negative {removed[0]['doc_id']} of {removed[0]['record_id']}: {removed[0]['reason']}"
+                         " (normalization.policy is 'fail')")
+    normalized = pa.Table.from_batches(good_batches, schema=MODEL_INPUT_SCHEMA)
+    quarantined = pa.Table.from_batches(bad_batches, schema=QUARANTINE_SCHEMA)
+    counts = {"records_in": ingested_records.num_rows, "normalized": normalized.num_rows,
+              "quarantined": quarantined.num_rows, "negatives_removed": len(removed),
+              "images_checked": image_manifest.num_rows,
+              "images_bad": image_manifest.num_rows - int(pc.sum(image_manifest.column("ok")).as_py() or 0)}
+    if counts["records_in"] != counts["normalized"] + counts["quarantined"]:
+        raise AssertionError(f"count invariant broken: {counts}")
+    logger.info("normalization: records_in=%d == normalized=%d + quarantined=%d; negatives removed=%d",
+                counts["records_in"], counts["normalized"], counts["quarantined"], counts["negatives_removed"])
+    return normalized, quarantined, pa.Table.from_pylist(removed, schema=REMOVED_NEGATIVE_SCHEMA), counts

@@ -1,0 +1,330 @@
+"""Batches for the reranker: pairs -> processor outputs, training groups, image budget.
+
+* Left padding, so the scored token is the last one of every row.
+* Every processor output is passed through (``mm_token_type_ids`` included: without it the model
+  silently falls back to 1-D positions).
+* ``max_length`` truncation cuts text only: the document text first, then the query text. Image
+  tokens are never cut (cutting them breaks the image-feature / image-token correspondence). The
+  number of truncated pairs and tokens is counted in :attr:`PairCollator.stats`.
+* Images given as paths are opened at batch time; a broken or missing file raises
+  :class:`BrokenImageError` naming the file (never a blank substitute).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .prompt import build_messages, instruction_for, render_prompt, task_type_of
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MIN_PIXELS = 4 * 28 * 28
+DEFAULT_MAX_PIXELS = 1280 * 28 * 28
+DEFAULT_MAX_LENGTH = 3200
+
+
+class BrokenImageError(ValueError):
+    """An image could not be read at batch time; ``path`` names the file."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"cannot read image {path!r}: {reason}")
+        self.path = path
+
+
+@dataclass
+class TruncationStats:
+    pairs: int = 0  # pairs collated
+    truncated_pairs: int = 0  # pairs whose text was cut
+    truncated_tokens: int = 0  # text tokens removed in all
+    over_length_pairs: int = 0  # pairs still longer than max_length after removing all text (images too big)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+def load_image(image: Any):
+    """A PIL RGB image from a path or a PIL image; :class:`BrokenImageError` naming the file if unreadable."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image.convert("RGB") if image.mode != "RGB" else image
+    path = str(image)
+    try:
+        with Image.open(path) as opened:
+            opened.load()  # decode fully now: truncated files fail here, not in the processor
+            return opened.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:  # PIL raises all of these
+        raise BrokenImageError(path, f"{type(exc).__name__}: {exc}") from exc
+
+
+def max_pixels_at(progress: float, schedule: Any, default: int | None = None) -> int:
+    """``max_pixels`` for the training ``progress`` in [0, 1] under a resolution schedule.
+
+    ``schedule``: a list of ``(start_progress, max_pixels)`` pairs (or a dict ``{start: max_pixels}``);
+    the entry with the largest start <= progress applies; before the first start, ``default``
+    (or the first entry's value). An int is a constant schedule; ``None`` or empty means ``default``.
+    Example: ``[(0.0, 256 * 28 * 28), (0.5, 1280 * 28 * 28)]`` trains at low resolution first.
+    """
+    if schedule is None:
+        if default is None:
+            raise ValueError("no resolution schedule and no default")
+        return int(default)
+    if isinstance(schedule, (int, float)) and not isinstance(schedule, bool):
+        return int(schedule)
+    items = sorted((float(k), int(v)) for k, v in (schedule.items() if isinstance(schedule, Mapping) else schedule))
+    if not items:
+        if default is None:
+            raise ValueError("empty resolution schedule and no default")
+        return int(default)
+    starts = [s for s, _ in items]
+    idx = bisect.bisect_right(starts, float(progress)) - 1
+    if idx < 0:
+        return int(default) if default is not None else items[0][1]
+    return items[idx][1]
+
+
+def _get(item: Any, key: str) -> Any:
+    if isinstance(item, Mapping):
+        return item.get(key)
+    return getattr(item, key, None)
+
+
+def _as_item(item: Any) -> dict[str, Any]:
+    """Plain ``{"text", "image"}`` dict from a row struct (keeps no other keys)."""
+    text, image = _get(item, "text"), _get(item, "image")
+    return {"text": text if text else None, "image": image if image is not None and image != "" else None}
+
+
+class PairCollator:
+    """Processor outputs for a list of ``(query, doc)`` or ``(query, doc, instruction)`` pairs.
+
+    ``instructions`` overrides the per-task-type defaults (see ``prompt.DEFAULT_INSTRUCTIONS``).
+    ``max_pixels`` may be changed between batches (resolution schedule): ``set_max_pixels``.
+    """
+
+    def __init__(
+        self,
+        processor: Any,
+        max_length: int = DEFAULT_MAX_LENGTH,
+        min_pixels: int = DEFAULT_MIN_PIXELS,
+        max_pixels: int = DEFAULT_MAX_PIXELS,
+        instructions: Mapping[str, str] | None = None,
+    ):
+        if min_pixels > max_pixels:
+            raise ValueError(f"min_pixels ({min_pixels}) > max_pixels ({max_pixels})")
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        if self.tokenizer.padding_side != "left":
+            self.tokenizer.padding_side = "left"
+        self.max_length = int(max_length)
+        self.min_pixels = int(min_pixels)
+        self.max_pixels = int(max_pixels)
+        self.instructions = dict(instructions or {})
+        ip = processor.image_processor
+        self.patch_size = int(getattr(ip, "patch_size", 14))
+        self.merge_size = int(getattr(ip, "merge_size", 2))
+        self.image_token = getattr(processor, "image_token", "<|image_pad|>")
+        self.stats = TruncationStats()
+        self._warned_over = False
+
+    def set_max_pixels(self, max_pixels: int) -> None:
+        self.max_pixels = max(int(max_pixels), self.min_pixels)
+
+    # -- lengths ---------------------------------------------------------------------------------
+    def image_tokens(self, image) -> int:
+        """LM tokens one (PIL) image becomes under the current pixel budget (the processor's own rule)."""
+        width, height = image.size
+        ip = self.processor.image_processor
+        budget = {"min_pixels": self.min_pixels, "max_pixels": self.max_pixels}
+        if hasattr(ip, "get_number_of_image_patches"):
+            patches = ip.get_number_of_image_patches(height, width, budget)
+        else:  # pragma: no cover - very old processors; the processor check in encode() guards this
+            from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+            h, w = smart_resize(height, width, self.patch_size * self.merge_size, **budget)
+            patches = (h // self.patch_size) * (w // self.patch_size)
+        return int(patches) // (self.merge_size**2)
+
+    def _count(self, text: str, image_tokens: int, n_images: int) -> int:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return len(ids) - n_images + image_tokens
+
+    def _cut(self, text: str, keep: int) -> str:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][: max(keep, 0)]
+        return self.tokenizer.decode(ids, skip_special_tokens=False).rstrip("\ufffd")
+
+    def prepare(self, pair: Sequence[Any]) -> tuple[str, list[Any], int]:
+        """(prompt text with one placeholder per image, PIL images in order, final token count)."""
+        if len(pair) == 3:
+            query, doc, instruction = pair
+        else:
+            query, doc = pair
+            instruction = None
+        query, doc = _as_item(query), _as_item(doc)
+        if instruction is None:
+            instruction = instruction_for(task_type_of(query, doc), self.instructions)
+        images = [load_image(item["image"]) for item in (query, doc) if item["image"] is not None]
+        img_tokens = sum(self.image_tokens(im) for im in images)
+        messages = build_messages(query, doc, instruction)
+        text = render_prompt(self.processor, messages)
+        count = self._count(text, img_tokens, len(images))
+        self.stats.pairs += 1
+        if count <= self.max_length:
+            return text, images, count
+
+        original = count
+        # cut the document text first, then the query text; keep one token of a text-only item
+        for item in (doc, query):
+            if count <= self.max_length or not item["text"]:
+                continue
+            n_ids = len(self.tokenizer(item["text"], add_special_tokens=False)["input_ids"])
+            floor = 0 if item["image"] is not None else 1
+            keep = max(n_ids - (count - self.max_length), floor)
+            full_text = item["text"]
+            while True:
+                item["text"] = self._cut(full_text, keep) or None
+                text = render_prompt(self.processor, build_messages(query, doc, instruction))
+                count = self._count(text, img_tokens, len(images))
+                if count <= self.max_length or keep <= floor:
+                    break
+                keep = max(keep - max(count - self.max_length, 1), floor)
+        self.stats.truncated_pairs += 1
+        self.stats.truncated_tokens += original - count
+        if count > self.max_length:
+            self.stats.over_length_pairs += 1
+            if not self._warned_over:
+                log.warning(
+                    "a pair needs %d tokens (> max_length %d) even without text: its images are too large; "
+                    "lower max_pixels or raise max_length (image tokens are never truncated)",
+                    count,
+                    self.max_length,
+                )
+                self._warned_over = True
+        return text, images, count
+
+    # -- batching --------------------------------------------------------------------------------
+    def encode(self, prepared: Sequence[tuple[str, list[Any], int]]) -> dict[str, Any]:
+        texts = [p[0] for p in prepared]
+        images = [im for p in prepared for im in p[1]]
+        kwargs: dict[str, Any] = {"text": texts, "padding": True, "return_tensors": "pt"}
+        if images:
+            kwargs["images"] = images
+            kwargs["size"] = {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}
+        out = self.processor(**kwargs)
+        batch = dict(out.items())
+        lengths = batch["attention_mask"].sum(dim=1).tolist()
+        expected = [p[2] for p in prepared]
+        if lengths != expected:
+            raise RuntimeError(f"token count mismatch between collator ({expected}) and processor ({lengths})")
+        return batch
+
+    def __call__(self, pairs: Sequence[Sequence[Any]]) -> dict[str, Any]:
+        if not pairs:
+            raise ValueError("no pairs to collate")
+        return self.encode([self.prepare(p) for p in pairs])
+
+
+def _as_list(value: Any) -> list[Any]:
+    """A row's list column as a list (None, list, tuple or numpy array from pandas / Arrow)."""
+    return [] if value is None else list(value)
+
+
+def _is_hard(negative: Any) -> bool:
+    flag = _get(negative, "hard")
+    return True if flag is None else bool(flag)  # given negatives are mined unless marked otherwise
+
+
+def sample_group(row: Mapping[str, Any], group_size: int, epoch: int = 0, seed: int = 0) -> dict[str, Any]:
+    """One training group for a model-input row: 1 positive + ``group_size - 1`` negatives.
+
+    Drawn by ``(seed, epoch, record_id)``, so each epoch re-draws. Negatives: mined ones
+    (``hard=True``) first, up to half the negatives, then random ones (``hard=False``); if one kind
+    runs short the other fills in. Raises ``ValueError`` if the row has too few negatives.
+    Returns ``{"record_id", "query", "docs", "task_type"}`` with the positive first in ``docs``.
+    """
+    if group_size < 2:
+        raise ValueError(f"group_size must be >= 2 (1 positive + negatives), got {group_size}")
+    record_id = str(_get(row, "record_id"))
+    positives = _as_list(_get(row, "positives"))
+    negatives = _as_list(_get(row, "negatives"))
+    if not positives:
+        raise ValueError(f"record {record_id} has no positive document")
+    need = group_size - 1
+    if len(negatives) < need:
+        raise ValueError(
+            f"record {record_id} has {len(negatives)} negatives but group_size={group_size} needs {need}"
+        )
+    rng = random.Random(f"{seed}:{epoch}:{record_id}")
+    positive = positives[rng.randrange(len(positives))]
+    hard = [n for n in negatives if _is_hard(n)]
+    easy = [n for n in negatives if not _is_hard(n)]
+    rng.shuffle(hard)
+    rng.shuffle(easy)
+    n_hard = min(len(hard), math.ceil(need / 2))
+    n_easy = min(len(easy), need - n_hard)
+    n_hard = need - n_easy  # hard ones fill in when random ones run short
+    chosen = hard[:n_hard] + easy[:n_easy]
+    return {
+        "record_id": record_id,
+        "query": _as_item(_get(row, "query")),
+        "docs": [_as_item(positive)] + [_as_item(n) for n in chosen],
+        "task_type": _get(row, "task_type"),
+    }
+
+
+class GroupCollator:
+    """Model-input rows -> one batch of ``len(rows) * group_size`` pairs plus ``labels`` [B*G] float
+    (1.0 for the positive, first in each group) and ``group_size`` (int).
+
+    The instruction of a group follows the row's ``task_type`` (so all documents of a query share it).
+    Call :meth:`set_epoch` each epoch (negatives are re-drawn) and :meth:`set_max_pixels` for a
+    resolution schedule. Truncation counts are in ``stats``.
+    """
+
+    def __init__(
+        self,
+        processor: Any,
+        group_size: int = 8,
+        max_length: int = DEFAULT_MAX_LENGTH,
+        min_pixels: int = DEFAULT_MIN_PIXELS,
+        max_pixels: int = DEFAULT_MAX_PIXELS,
+        instructions: Mapping[str, str] | None = None,
+        seed: int = 0,
+        epoch: int = 0,
+    ):
+        self.pairs = PairCollator(processor, max_length, min_pixels, max_pixels, instructions)
+        self.group_size = int(group_size)
+        self.seed = int(seed)
+        self.epoch = int(epoch)
+
+    @property
+    def stats(self) -> TruncationStats:
+        return self.pairs.stats
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def set_max_pixels(self, max_pixels: int) -> None:
+        self.pairs.set_max_pixels(max_pixels)
+
+    def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        pairs = []
+        for row in rows:
+            group = sample_group(row, self.group_size, self.epoch, self.seed)
+            task_type = group["task_type"] or task_type_of(group["query"], group["docs"][0])
+            instruction = instruction_for(task_type, self.pairs.instructions)
+            pairs.extend((group["query"], doc, instruction) for doc in group["docs"])
+        batch = self.pairs(pairs)
+        labels = torch.zeros(len(pairs), dtype=torch.float32)
+        labels[:: self.group_size] = 1.0
+        batch["labels"] = labels
+        batch["group_size"] = self.group_size
+        return batch

@@ -1,0 +1,57 @@
+"""Reranker losses, computed in fp32 whatever the model's dtype.
+
+``logits`` are the (yes, no) logits of :class:`~lychee_pipeline.reranker.model.LycheeReranker`,
+Tensor[N, 2], with documents grouped as the group collator lays them out: ``N = B * G``, the
+positive first in each group of ``G``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def pointwise_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """SFT loss (the default): cross-entropy of the yes/no answer for every document, averaged.
+
+    ``labels`` [N]: 1 for relevant (target ``yes``), 0 for not (target ``no``); values in between act
+    as soft targets. Equals ``-mean(y * log p_yes + (1 - y) * log p_no)`` with
+    ``p = softmax(logits)``.
+    """
+    if logits.dim() != 2 or logits.size(-1) != 2:
+        raise ValueError(f"logits must be [N, 2] (yes, no), got {tuple(logits.shape)}")
+    labels = labels.to(device=logits.device, dtype=torch.float32).reshape(-1)
+    if labels.numel() != logits.size(0):
+        raise ValueError(f"{labels.numel()} labels for {logits.size(0)} documents")
+    logp = F.log_softmax(logits.float(), dim=-1)
+    return -(labels * logp[:, 0] + (1.0 - labels) * logp[:, 1]).mean()
+
+
+def group_scores(logits: torch.Tensor, score: str = "yes_minus_no") -> torch.Tensor:
+    """Per-document score used for ranking: ``yes - no`` (monotone in p(yes)) or the raw ``yes`` logit."""
+    logits = logits.float()
+    if score == "yes_minus_no":
+        return logits[:, 0] - logits[:, 1]
+    if score == "yes":
+        return logits[:, 0]
+    raise ValueError(f"score must be 'yes_minus_no' or 'yes', got {score!r}")
+
+
+def listwise_loss(
+    logits: torch.Tensor, group_size: int, temperature: float = 1.0, score: str = "yes_minus_no"
+) -> torch.Tensor:
+    """Contrastive (InfoNCE) loss over each group of ``group_size`` documents, positive first.
+
+    The score of a document is ``z_yes - z_no`` by default (the logit of p(yes), so the loss ranks
+    exactly what inference returns); ``score="yes"`` uses the raw yes logit as in the paper's
+    contrastive baseline. Loss per group: ``-log softmax(scores / temperature)[0]``, averaged over groups.
+    """
+    if logits.dim() != 2 or logits.size(-1) != 2:
+        raise ValueError(f"logits must be [N, 2] (yes, no), got {tuple(logits.shape)}")
+    if group_size < 2 or logits.size(0) % group_size:
+        raise ValueError(f"{logits.size(0)} documents do not split into groups of {group_size}")
+    if temperature <= 0:
+        raise ValueError("temperature must be positive")
+    scores = group_scores(logits, score).view(-1, group_size) / float(temperature)
+    target = torch.zeros(scores.size(0), dtype=torch.long, device=scores.device)
+    return F.cross_entropy(scores, target)

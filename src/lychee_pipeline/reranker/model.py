@@ -1,0 +1,431 @@
+"""Loading Lychee-rerank-mm style rerankers and scoring with a 2-way (yes, no) head.
+
+``load_reranker(ModelConfig(...), device)`` loads a Qwen2.5-VL checkpoint (hub id, local folder or
+``builtin:tiny``) through ``Qwen2_5_VLForConditionalGeneration.from_pretrained`` (safetensors only,
+no remote code), prepares it for LoRA / QLoRA / full fine-tuning or frozen inference, and wraps it in
+:class:`LycheeReranker`, whose forward returns only the (yes, no) logits of the last position,
+computed from the last hidden state and the two ``lm_head`` rows (no full-vocabulary logits).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+FINETUNE_MODES = ("lora", "qlora", "full", "frozen")
+# language-model attention projections only: anything under `visual` (the vision tower) is excluded
+DEFAULT_LORA_TARGETS = r"^(?!.*visual).*\.(q_proj|k_proj|v_proj|o_proj)$"
+METADATA_FILE = "lychee_reranker.json"
+NON_MODEL_KEYS = ("labels", "group_size")
+
+
+@dataclass
+class ModelConfig:
+    """How to load and fine-tune the reranker.
+
+    ``lora_target_modules``: a regex (peft full-match) or a list of module-name suffixes. The default
+    matches the language model's q/k/v/o projections and nothing in the vision tower.
+    ``dtype``: ``"auto"`` (bf16 on CUDA, fp32 on CPU), ``"bf16"``, ``"fp16"`` or ``"fp32"``.
+    ``adapter``: a saved LoRA adapter folder to load on top of ``name_or_path``.
+    ``freeze_vision``: in ``full`` mode, keep the vision tower frozen (always frozen in LoRA modes).
+    """
+
+    name_or_path: str = "builtin:tiny"
+    finetune: str = "lora"
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    lora_target_modules: str | list[str] = DEFAULT_LORA_TARGETS
+    activation_checkpointing: bool = False
+    dtype: str = "auto"
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+    local_files_only: bool = False
+    adapter: str | None = None
+    freeze_vision: bool = True
+    tiny_cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.finetune not in FINETUNE_MODES:
+            raise ValueError(f"finetune must be one of {FINETUNE_MODES}, got {self.finetune!r}")
+        if self.trust_remote_code:
+            raise ValueError("trust_remote_code=True is not allowed: Qwen2.5-VL is a native transformers model")
+        if self.dtype not in ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32"):
+            raise ValueError(f"unknown dtype {self.dtype!r}")
+        if self.lora_r <= 0:
+            raise ValueError("lora_r must be positive")
+
+
+# ----------------------------------------------------------------------------------------------
+# processor
+
+
+def _processor_base():
+    from transformers import Qwen2_5_VLProcessor
+
+    return Qwen2_5_VLProcessor
+
+
+class LycheeProcessor(_processor_base()):
+    """Qwen2.5-VL processor with only the image processor and the tokenizer.
+
+    Used where torchvision is missing: transformers' video processor needs it, and the stock
+    processor cannot be built without one. Images + text produce the same inputs as the stock one.
+    """
+
+    attributes = ["image_processor", "tokenizer"]  # read by older transformers; newer ones use __init__
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        from transformers.processing_utils import ProcessorMixin
+
+        self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+        self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
+        self.image_token_id = getattr(tokenizer, "image_token_id", None) or tokenizer.convert_tokens_to_ids(
+            self.image_token
+        )
+        self.video_token_id = getattr(tokenizer, "video_token_id", None) or tokenizer.convert_tokens_to_ids(
+            self.video_token
+        )
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template, **kwargs)
+
+
+def save_processor(processor: Any, out_dir: str | os.PathLike) -> None:
+    """Save a processor so that the folder looks like a stock Qwen2.5-VL one."""
+    out = Path(out_dir)
+    processor.save_pretrained(out)
+    # the legacy flat image-processor file, as stock Qwen2.5-VL folders have it: transformers builds the
+    # video processor from it when torchvision is installed (and older releases read only this file)
+    processor.image_processor.save_pretrained(out)
+    for path in out.glob("*.json"):
+        try:
+            data = json.loads(path.read_text())
+        except ValueError:
+            continue
+        if isinstance(data, dict) and data.get("processor_class") == "LycheeProcessor":
+            data["processor_class"] = "Qwen2_5_VLProcessor"
+            path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def load_processor(path: str, local_files_only: bool = False) -> Any:
+    """AutoProcessor when torchvision is importable, else :class:`LycheeProcessor` (images + text)."""
+    from transformers import AutoProcessor
+    from transformers.utils import is_torchvision_available
+
+    kwargs = {"trust_remote_code": False, "local_files_only": local_files_only}
+    if is_torchvision_available():
+        processor = AutoProcessor.from_pretrained(path, **kwargs)
+    else:
+        processor = LycheeProcessor.from_pretrained(path, **kwargs)
+    tok = processor.tokenizer
+    if tok.padding_side != "left":
+        tok.padding_side = "left"
+    return processor
+
+
+# ----------------------------------------------------------------------------------------------
+# paths and dtypes
+
+
+def resolve_model_path(name_or_path: str, local_files_only: bool = False, tiny_cache_dir: str | None = None) -> str:
+    """``builtin:tiny`` -> its (built on demand) cache folder; a local folder -> itself; else a hub id."""
+    if name_or_path == "builtin:tiny" or name_or_path.startswith("builtin:tiny"):
+        if name_or_path != "builtin:tiny":
+            raise ValueError(f"unknown built-in model {name_or_path!r} (only 'builtin:tiny' exists)")
+        from .tiny import ensure_tiny
+
+        return str(ensure_tiny(tiny_cache_dir))
+    if name_or_path.startswith("builtin:"):
+        raise ValueError(f"unknown built-in model {name_or_path!r} (only 'builtin:tiny' exists)")
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return str(path.resolve())
+    if path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise FileNotFoundError(f"model folder not found: {name_or_path}")
+    return name_or_path  # a hub id such as vec-ai/lychee-rerank-mm
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+        "fp16": torch.float16,
+        "float16": torch.float16,
+        "fp32": torch.float32,
+        "float32": torch.float32,
+    }[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def single_token_id(tokenizer: Any, word: str) -> int:
+    ids = tokenizer.encode(word, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(f"{word!r} is not a single token in this tokenizer (got {ids}); cannot score yes/no")
+    return int(ids[0])
+
+
+def enable_activation_checkpointing(model: Any) -> None:
+    """Non-reentrant activation checkpointing; the non-deprecated API where this transformers has it."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # transformers releases before the rename
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if hasattr(model, "config"):
+        model.config.use_cache = False
+
+
+def _check_qlora_possible(device: torch.device) -> None:
+    import importlib.util
+
+    problems = []
+    if device.type != "cuda" or not torch.cuda.is_available():
+        problems.append(f"no CUDA GPU (device is {device.type!r})")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        problems.append("bitsandbytes is not installed (pip install 'lychee_pipeline[qlora]')")
+    if problems:
+        raise RuntimeError(
+            "QLoRA (4-bit) needs a CUDA GPU and bitsandbytes: " + "; ".join(problems)
+            + ". Use finetune='lora' (or 'full') on this machine."
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# the module
+
+
+class LycheeReranker(nn.Module):
+    """A Qwen2.5-VL backbone scored by its ``yes`` / ``no`` logits at the last position.
+
+    Attributes: ``backbone`` (the ``Qwen2_5_VLForConditionalGeneration``, or a peft model around it),
+    ``processor``, ``yes_id``, ``no_id``, ``config`` (the :class:`ModelConfig`).
+    Inputs must be left padded (the scored token is the last one of every row).
+    """
+
+    def __init__(self, backbone: nn.Module, processor: Any, config: ModelConfig, yes_id: int, no_id: int):
+        super().__init__()
+        self.backbone = backbone
+        self.processor = processor
+        self.config = config
+        self.yes_id = int(yes_id)
+        self.no_id = int(no_id)
+
+    # -- structure -----------------------------------------------------------------------------
+    @property
+    def is_peft(self) -> bool:
+        return hasattr(self.backbone, "peft_config")
+
+    @property
+    def base_model(self) -> nn.Module:
+        """The ``Qwen2_5_VLForConditionalGeneration`` (inside peft if wrapped)."""
+        return self.backbone.get_base_model() if self.is_peft else self.backbone
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.backbone.parameters()).device
+
+    def head_weight(self) -> torch.Tensor:
+        """The two ``lm_head`` rows [2, hidden]: (yes, no)."""
+        weight = self.base_model.lm_head.weight
+        return weight[[self.yes_id, self.no_id]]
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    # -- scoring -------------------------------------------------------------------------------
+    @staticmethod
+    def _model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+        inputs = {k: v for k, v in batch.items() if k not in NON_MODEL_KEYS}
+        mask = inputs.get("attention_mask")
+        if mask is not None and not bool(mask[:, -1].all()):
+            raise ValueError("inputs must be left padded: the last position of every row has to be a real token")
+        return inputs
+
+    def forward(self, **batch: Any) -> torch.Tensor:
+        """Tensor[N, 2] (fp32) of (yes, no) logits at the last position.
+
+        Takes every processor output (input_ids, attention_mask, pixel_values, image_grid_thw,
+        mm_token_type_ids, ...); ``labels`` and ``group_size`` from the group collator are ignored.
+        """
+        inputs = self._model_inputs(batch)
+        outputs = self.base_model.model(**inputs, use_cache=False, return_dict=True)
+        last = outputs.last_hidden_state[:, -1, :]
+        weight = self.head_weight()
+        logits = last.float() @ weight.float().t()
+        bias = getattr(self.base_model.lm_head, "bias", None)
+        if bias is not None:
+            logits = logits + bias[[self.yes_id, self.no_id]].float()
+        return logits
+
+    def full_logits(self, **batch: Any) -> torch.Tensor:
+        """The same (yes, no) logits via the stock forward and full-vocabulary logits (for checks only)."""
+        inputs = self._model_inputs(batch)
+        logits = self.base_model(**inputs, use_cache=False, return_dict=True).logits
+        return logits[:, -1, [self.yes_id, self.no_id]].float()
+
+    @staticmethod
+    def probabilities(logits: torch.Tensor) -> torch.Tensor:
+        """p(yes) = softmax over (yes, no)."""
+        return torch.softmax(logits.float(), dim=-1)[:, 0]
+
+    # -- saving --------------------------------------------------------------------------------
+    def _write_metadata(self, out: Path, kind: str) -> None:
+        meta = {
+            "format": kind,
+            "base_model": self.config.name_or_path,
+            "finetune": self.config.finetune,
+            "yes_id": self.yes_id,
+            "no_id": self.no_id,
+            "config": asdict(self.config),
+        }
+        (out / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
+
+    def save_pretrained(self, out_dir: str | os.PathLike) -> Path:
+        """LoRA: the adapter (peft, safetensors); otherwise the full weights (safetensors); plus the processor."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        if self.is_peft:
+            self.backbone.save_pretrained(out, safe_serialization=True)
+            kind = "adapter"
+        else:
+            self.backbone.save_pretrained(out)  # transformers 5 writes safetensors only
+            kind = "full"
+        save_processor(self.processor, out)
+        self._write_metadata(out, kind)
+        return out
+
+    def merge_and_save(self, out_dir: str | os.PathLike) -> Path:
+        """Export a merged full model (LoRA folded into the weights) + processor; the module is unchanged."""
+        import copy
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        if self.is_peft:
+            if self.config.finetune == "qlora":
+                raise RuntimeError("merging a 4-bit QLoRA model is not supported; load the base in bf16 with the adapter and merge that")
+            merged = copy.deepcopy(self.backbone).merge_and_unload()
+        else:
+            merged = self.backbone
+        merged.save_pretrained(out)
+        save_processor(self.processor, out)
+        self._write_metadata(out, "merged")
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# loading
+
+
+def _apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=cfg.lora_target_modules,
+        bias="none",
+        task_type=None,
+    )
+    return get_peft_model(model, lora)
+
+
+def _freeze_vision(model: nn.Module) -> None:
+    for name, param in model.named_parameters():
+        if "visual" in name:
+            param.requires_grad_(False)
+
+
+def read_metadata(folder: str | os.PathLike) -> dict[str, Any] | None:
+    path = Path(folder) / METADATA_FILE
+    if path.is_file():
+        return json.loads(path.read_text())
+    return None
+
+
+def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") -> LycheeReranker:
+    """Load ``cfg.name_or_path`` (+ ``cfg.adapter``) and prepare it for ``cfg.finetune``."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    dev = resolve_device(device)
+    if cfg.finetune == "qlora":
+        _check_qlora_possible(dev)
+    path = resolve_model_path(cfg.name_or_path, cfg.local_files_only, cfg.tiny_cache_dir)
+    dtype = resolve_dtype(cfg.dtype, dev)
+    kwargs: dict[str, Any] = {
+        "dtype": dtype,
+        "attn_implementation": cfg.attn_implementation,
+        "use_safetensors": True,
+        "trust_remote_code": False,
+        "local_files_only": cfg.local_files_only,
+    }
+    if cfg.finetune == "qlora":
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+            llm_int8_skip_modules=["lm_head", "visual"],
+        )
+        kwargs["device_map"] = {"": dev.index if dev.index is not None else torch.cuda.current_device()}
+    elif dev.type == "cuda":
+        kwargs["device_map"] = {"": dev}  # load straight onto this process's GPU
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, **kwargs)
+    if cfg.finetune != "qlora":
+        model.to(dev)
+
+    processor_path = path
+    if cfg.adapter is not None and (Path(cfg.adapter) / "tokenizer_config.json").is_file():
+        processor_path = cfg.adapter
+    processor = load_processor(processor_path, cfg.local_files_only)
+
+    if cfg.finetune == "qlora":
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=cfg.activation_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    elif cfg.activation_checkpointing:
+        enable_activation_checkpointing(model)
+
+    trainable = cfg.finetune in ("lora", "qlora", "full")
+    if cfg.adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, cfg.adapter, is_trainable=cfg.finetune in ("lora", "qlora"))
+        if cfg.finetune == "full":  # fine-tune the merged weights
+            model = model.merge_and_unload()
+    elif cfg.finetune in ("lora", "qlora"):
+        model = _apply_lora(model, cfg)
+
+    if cfg.finetune == "frozen":
+        for param in model.parameters():
+            param.requires_grad_(False)
+    elif cfg.finetune == "full":
+        for param in model.parameters():
+            param.requires_grad_(True)
+        if cfg.freeze_vision:
+            _freeze_vision(model)
+    else:
+        _freeze_vision(model)  # peft already froze the base; make sure nothing visual trains
+
+    tok = processor.tokenizer
+    reranker = LycheeReranker(model, processor, cfg, single_token_id(tok, "yes"), single_token_id(tok, "no"))
+    reranker.train(trainable)
+    return reranker

@@ -1,0 +1,95 @@
+"""Atomic, checksummed training checkpoints: a half-written or corrupted one is never resumed from."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+PREFIX = "checkpoint-"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def staging_dir(root: Path, step: int) -> Path:
+    """Where a checkpoint is written before it is published (never matched by `find_resumable`)."""
+    return root / f".{PREFIX}{step}.partial"
+
+
+def publish(root: Path, step: int, state: dict) -> Path:
+    """Write the manifest (checksums + trainer state) and rename the staging folder into place."""
+    tmp = staging_dir(root, step)
+    files = {
+        str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file() and p.name != MANIFEST
+    }
+    (tmp / MANIFEST).write_text(json.dumps({"step": step, "state": state, "files": files}, indent=1))
+    final = root / f"{PREFIX}{step}"
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+def verify(checkpoint: Path) -> str | None:
+    """None if every file matches its recorded checksum, else the reason it is unusable."""
+    manifest = checkpoint / MANIFEST
+    if not manifest.is_file():
+        return "no manifest (write interrupted)"
+    try:
+        recorded = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError) as exc:
+        return f"unreadable manifest: {exc}"
+    for name, digest in recorded.items():
+        path = checkpoint / name
+        if not path.is_file():
+            return f"missing file {name}"
+        if sha256_file(path) != digest:
+            return f"checksum mismatch in {name}"
+    return None
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.name[len(PREFIX) :])
+    except ValueError:
+        return -1
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Published checkpoints, newest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and _step_of(p) >= 0]
+    return sorted(found, key=_step_of, reverse=True)
+
+
+def find_resumable(root: Path) -> tuple[Path | None, dict, list[str]]:
+    """The newest intact checkpoint, its trainer state, and a note for each newer one that was skipped."""
+    skipped: list[str] = []
+    for checkpoint in list_checkpoints(root):
+        problem = verify(checkpoint)
+        if problem is None:
+            state = json.loads((checkpoint / MANIFEST).read_text())["state"]
+            return checkpoint, state, skipped
+        skipped.append(f"{checkpoint.name}: {problem}")
+    return None, {}, skipped
+
+
+def prune(root: Path, keep_last: int) -> None:
+    """Keep the newest `keep_last` published checkpoints; drop stale staging folders."""
+    for old in list_checkpoints(root)[keep_last:]:
+        shutil.rmtree(old, ignore_errors=True)
+    for partial in root.glob(f".{PREFIX}*.partial"):
+        shutil.rmtree(partial, ignore_errors=True)

@@ -1,0 +1,106 @@
+"""Training parameters as pydantic models, validated before any process is launched."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LoraParams(_Strict):
+    r: PositiveInt = 16
+    alpha: PositiveInt = 32
+    dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    target_modules: list[str] | None = None
+
+
+class ModelParams(_Strict):
+    name_or_path: str = "builtin:tiny"
+    finetune: Literal["lora", "qlora", "full", "frozen"] = "lora"
+    lora: LoraParams = LoraParams()
+    activation_checkpointing: bool = False
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+    fast_path: bool = True
+
+
+class ResolutionStep(_Strict):
+    start: float = Field(..., ge=0.0, lt=1.0)  # from this fraction of training progress on
+    max_pixels: PositiveInt
+
+
+class LaunchParams(_Strict):
+    strategy: Literal["ddp", "zero2", "zero3", "fsdp2"] = "ddp"
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    num_machines: PositiveInt = 1
+    machine_rank: int = Field(0, ge=0)
+    main_process_ip: str | None = None
+    main_process_port: int | None = Field(None, ge=1024, le=65535)
+    timeout_s: PositiveInt = 6 * 3600  # wall-clock limit of one stage's launcher
+    process_group_timeout_s: PositiveInt = 600  # a rank waiting longer on a collective fails
+    threads_per_process: PositiveInt = 1  # CPU runs only
+
+
+class TrainingParams(_Strict):
+    loss: Literal["pointwise", "listwise"] = "pointwise"
+    temperature: float = Field(0.05, gt=0.0)
+    group_size: int = Field(8, ge=2)
+    per_device_batch_size: PositiveInt = 1  # query groups per device per micro-step
+    gradient_accumulation_steps: PositiveInt = 1
+    learning_rate: float = Field(1e-4, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    warmup_ratio: float = Field(0.05, ge=0.0, lt=1.0)
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    epochs: float = Field(1.0, gt=0.0)
+    max_steps: PositiveInt | None = None
+    seed: int = 42
+    max_length: PositiveInt = 3200
+    min_pixels: PositiveInt = 4 * 28 * 28
+    max_pixels: PositiveInt = 1280 * 28 * 28
+    resolution_schedule: list[ResolutionStep] = []
+    checkpoint_every: PositiveInt = 200
+    keep_last: PositiveInt = 2
+    resume: bool = False
+    log_every: PositiveInt = 1
+    launch: LaunchParams = LaunchParams()
+
+    @model_validator(mode="after")
+    def _pixels_ordered(self) -> "TrainingParams":
+        if self.min_pixels > self.max_pixels:
+            raise ValueError("min_pixels must not exceed max_pixels")
+        return self
+
+
+class GateParams(_Strict):
+    require_finite: bool = True
+    # stage 2 must end with mean loss of its last third <= (1 + tolerance) x mean of its first third
+    loss_fall_tolerance: float = Field(0.0, ge=0.0)
+    check_loss_fall_from_devices: PositiveInt = 2
+    replica_tolerance: float = Field(1e-5, ge=0.0)
+
+
+class StageParams(_Strict):
+    check_steps: dict[int, PositiveInt] = {1: 10, 2: 20}
+    default_check_steps: PositiveInt = 10
+    gate: GateParams = GateParams()
+
+    @field_validator("check_steps", mode="before")
+    @classmethod
+    def _int_keys(cls, value):
+        return {int(k): v for k, v in (value or {}).items()}
+
+
+def stage_devices(gpus: int) -> list[int]:
+    """The staging ladder: powers of two below `gpus`, then `gpus` (4 -> [1, 2, 4], 3 -> [1, 2, 3])."""
+    if gpus < 1:
+        raise ValueError(f"gpus must be >= 1, got {gpus}")
+    ladder, n = [], 1
+    while n < gpus:
+        ladder.append(n)
+        n *= 2
+    return ladder + [gpus]

@@ -1,0 +1,268 @@
+"""The training entry point every process of a stage runs: `python -m lychee_pipeline.training.train --spec F`.
+
+One readable loop, top to bottom: read the spec, prepare model / optimizer / scheduler / dataloader with
+Accelerate, loop with gradient accumulation, log and checkpoint on the main process, write result.json.
+Needs torch, transformers, peft, accelerate and datasets; MLflow only if it is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import resource
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator, InitProcessGroupKwargs
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader, Sampler
+from transformers import get_scheduler
+
+from lychee_pipeline.reranker import GroupCollator, ModelConfig, listwise_loss, load_reranker, pointwise_loss
+from lychee_pipeline.reranker.collate import max_pixels_at
+from lychee_pipeline.tracking import StageTracker
+from lychee_pipeline.training import checkpoints
+
+log = logging.getLogger("lychee_pipeline.training.train")
+
+
+class EpochPermutation(Sampler[int]):
+    """A fresh permutation of the records each epoch, from (seed, epoch) only, so a resumed run sees the same order."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(self.n, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak device memory (CUDA allocator) or peak RSS of this process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def replica_fingerprint(model: torch.nn.Module) -> torch.Tensor:
+    """One float64 sum per trainable tensor: equal across ranks iff the replicas agree (to rounding)."""
+    sums = [p.detach().double().sum() for p in model.parameters() if p.requires_grad]
+    return torch.stack(sums) if sums else torch.zeros(1, dtype=torch.float64)
+
+
+def fault_point(name: str) -> None:
+    """Fault injection for the reliability tests: LYCHEE_FAULT=<name> kills this process (SIGKILL) here."""
+    if os.environ.get("LYCHEE_FAULT") == name and os.environ.get("LYCHEE_FAULT_RANK", "0") == os.environ.get("RANK", "0"):
+        os.kill(os.getpid(), 9)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--spec", required=True, type=Path)
+    spec = json.loads(parser.parse_args(argv).spec.read_text())
+    train, out_dir = spec["training"], Path(spec["output_dir"])
+
+    accelerator = Accelerator(
+        gradient_accumulation_steps=train["gradient_accumulation_steps"],
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=train["launch"]["process_group_timeout_s"]))],
+    )
+    logging.basicConfig(
+        level=logging.INFO if accelerator.is_main_process else logging.WARNING,
+        format=f"[rank {accelerator.process_index}] %(message)s",
+        stream=sys.stdout,
+    )
+    if accelerator.device.type == "cpu":
+        torch.set_num_threads(train["launch"]["threads_per_process"])
+    set_seed(train["seed"], device_specific=False)
+
+    # Model and data. Every rank reads the same memory-mapped Arrow file; the sampler shards it.
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    with accelerator.main_process_first():  # the first load may build or download; the others then reuse it
+        model = load_reranker(ModelConfig(**{k: v for k, v in spec["model"].items() if k in known}), accelerator.device)
+    with accelerator.main_process_first():
+        import datasets
+
+        records = datasets.Dataset.from_parquet(spec["data_path"], cache_dir=str(out_dir / "hf_cache"))
+    collator = GroupCollator(
+        model.processor,
+        group_size=train["group_size"],
+        max_length=train["max_length"],
+        min_pixels=train["min_pixels"],
+        max_pixels=train["max_pixels"],
+        seed=train["seed"],
+    )
+    schedule = [(s["start"], s["max_pixels"]) for s in train["resolution_schedule"]]
+    collator.set_max_pixels(max_pixels_at(0.0, schedule, train["max_pixels"]))
+    sampler = EpochPermutation(len(records), train["seed"])
+    loader = DataLoader(
+        range(len(records)),
+        batch_size=train["per_device_batch_size"],
+        sampler=sampler,
+        # Its own generator: creating an iterator draws a seed, which must not move the global RNG
+        # (dropout) or a resumed run would diverge from an uninterrupted one.
+        generator=torch.Generator().manual_seed(train["seed"]),
+        collate_fn=lambda idx: collator([records[i] for i in idx]),
+    )
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=train["learning_rate"], weight_decay=train["weight_decay"])
+    steps_per_epoch = max(1, math.ceil(len(loader) / accelerator.num_processes / train["gradient_accumulation_steps"]))
+    total_steps = train["max_steps"] or max(1, math.ceil(train["epochs"] * steps_per_epoch))
+    scheduler = get_scheduler(
+        train["scheduler"],
+        optimizer,
+        num_warmup_steps=int(train["warmup_ratio"] * total_steps),
+        num_training_steps=total_steps,
+    )
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+
+    # Resume from the newest intact checkpoint (a half-written or corrupted one is skipped, and said so).
+    ckpt_root = out_dir / "checkpoints"
+    step, losses = 0, []
+    if train["resume"]:
+        found, state, skipped = checkpoints.find_resumable(ckpt_root)
+        for note in skipped:
+            log.warning("skipping checkpoint %s", note)
+        if found is not None:
+            accelerator.load_state(str(found))
+            step, losses = state["step"], state["losses"]
+            log.info("resumed from %s at step %d", found, step)
+
+    tracker = StageTracker(
+        enabled=accelerator.is_main_process,
+        run_name=spec["stage"],
+        tags={"stage": spec["stage"], "devices": str(accelerator.num_processes), "device_type": accelerator.device.type},
+    )
+    tracker.log_params({"stage": spec["stage"], "devices": accelerator.num_processes, "model": spec["model"], "training": train})
+
+    pairs_per_step = train["group_size"] * train["per_device_batch_size"] * train["gradient_accumulation_steps"]
+    pairs_per_step *= accelerator.num_processes
+    inject_nan = os.environ.get("LYCHEE_FAULT") == "nan_loss"  # the gate test's injected fault
+    model.train()
+    started, window_start, window_tokens = time.perf_counter(), time.perf_counter(), 0
+    train_time, steps_timed = 0.0, 0
+    epoch = step // steps_per_epoch
+    while step < total_steps:
+        sampler.set_epoch(epoch)
+        collator.set_epoch(epoch)
+        skip = (step - epoch * steps_per_epoch) * train["gradient_accumulation_steps"]
+        epoch_loader = accelerator.skip_first_batches(loader, skip) if skip > 0 else loader
+        for batch in epoch_loader:
+            labels = batch.pop("labels")
+            group_size = batch.pop("group_size")
+            window_tokens += int(batch["attention_mask"].sum())
+            with accelerator.accumulate(model):
+                logits = model(**batch)
+                if train["loss"] == "pointwise":
+                    loss = pointwise_loss(logits, labels)
+                else:
+                    loss = listwise_loss(logits, group_size, train["temperature"])
+                if inject_nan:
+                    loss = loss * float("nan")
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(trainable, train["max_grad_norm"])
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            collator.set_max_pixels(max_pixels_at(step / total_steps, schedule, train["max_pixels"]))
+            mean_loss = accelerator.reduce(loss.detach().float(), reduction="mean").item()
+            losses.append([step, mean_loss])
+            now = time.perf_counter()
+            elapsed, window_start = now - window_start, now
+            tokens = accelerator.reduce(torch.tensor(window_tokens, device=accelerator.device), reduction="sum").item()
+            window_tokens = 0
+            if step > 1:  # the first step carries warm-up cost; rates come from the rest
+                train_time, steps_timed = train_time + elapsed, steps_timed + 1
+            if accelerator.is_main_process and (step % train["log_every"] == 0 or step == total_steps):
+                figures = {
+                    "loss": mean_loss,
+                    "learning_rate": scheduler.get_last_lr()[0],
+                    "pairs_per_s": pairs_per_step / elapsed,
+                    "tokens_per_s": tokens / elapsed,
+                    "peak_mem_gib": peak_memory_gib(accelerator.device),
+                }
+                tracker.log_metrics(figures, step=step)
+                eta = (total_steps - step) * (now - started) / max(1, step)
+                log.info(
+                    "step %d/%d loss %.4f lr %.2e pairs/s %.1f tokens/s %.0f ETA %ds",
+                    step, total_steps, mean_loss, figures["learning_rate"], figures["pairs_per_s"],
+                    figures["tokens_per_s"], int(eta),
+                )
+            if step % train["checkpoint_every"] == 0 and step < total_steps:
+                save_checkpoint(accelerator, ckpt_root, step, {"step": step, "losses": losses}, train["keep_last"])
+            fault_point(f"after_step_{step}")
+            if step >= total_steps:
+                break
+        epoch += 1
+
+    # Replicas must agree after DDP steps; gather one fingerprint per rank and compare.
+    fingerprints = accelerator.gather(replica_fingerprint(accelerator.unwrap_model(model)).unsqueeze(0))
+    replica_diff = (fingerprints - fingerprints[0]).abs().max().item()
+    peak = accelerator.gather(torch.tensor([peak_memory_gib(accelerator.device)], device=accelerator.device))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        adapter_dir = out_dir / "adapter"
+        accelerator.unwrap_model(model).save_pretrained(adapter_dir)
+        wall = time.perf_counter() - started
+        result = {
+            "stage": spec["stage"],
+            "devices": accelerator.num_processes,
+            "device_type": accelerator.device.type,
+            "steps": step,
+            "train_pairs": step * pairs_per_step,
+            "full_train_pairs": len(records) * train["group_size"],  # one epoch over the training split
+            "wall_time_s": wall,
+            "pairs_per_s": (steps_timed * pairs_per_step / train_time) if steps_timed else step * pairs_per_step / wall,
+            "peak_mem_gib": peak.tolist(),
+            "losses": losses,
+            "final_loss": losses[-1][1] if losses else float("nan"),
+            "replica_max_diff": replica_diff,
+            "truncation": collator.stats.as_dict(),
+            "adapter_dir": str(adapter_dir),
+            "mlflow_run_id": tracker.run_id,
+            "tracking_failures": tracker.failures,
+        }
+        tracker.log_metrics({"final_loss": result["final_loss"], "stage_pairs_per_s": result["pairs_per_s"],
+                             "replica_max_diff": replica_diff, "wall_time_s": wall})
+        tracker.log_artifacts(str(adapter_dir), "adapter")
+        tracker.end()
+        tmp = out_dir / "result.json.tmp"
+        tmp.write_text(json.dumps(result, indent=1))
+        os.replace(tmp, out_dir / "result.json")
+        log.info("stage %s done: %d steps, %.1f pairs/s, final loss %.4f", spec["stage"], step, result["pairs_per_s"],
+                 result["final_loss"])
+    accelerator.wait_for_everyone()  # ranks leave together: a rank that exits early can hang in gloo teardown
+    accelerator.end_training()
+    return 0
+
+
+def save_checkpoint(accelerator: Accelerator, root: Path, step: int, state: dict, keep_last: int) -> None:
+    """All ranks write into a staging folder; the main process checksums it and renames it into place."""
+    tmp = checkpoints.staging_dir(root, step)
+    accelerator.save_state(str(tmp))
+    fault_point("during_checkpoint")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        checkpoints.publish(root, step, state)
+        checkpoints.prune(root, keep_last)
+    accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

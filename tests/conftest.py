@@ -1,0 +1,121 @@
+"""Shared fixtures of the data-layer tests: a bad-input corpus built in a temporary folder."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import unicodedata
+from pathlib import Path
+from typing import Any
+
+import pytest
+from PIL import Image
+
+
+def _png(path: Path, mode: str = "RGB", size: tuple[int, int] = (32, 32), colour: Any = (200, 30, 30)) -> None:
+    Image.new(mode, size, colour).save(path)
+
+
+def _line(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False).encode("utf-8")
+
+
+def _rec(rid: str, pos_image: str | None, neg: list[dict] | None = None, query: Any = None) -> dict:
+    return {
+        "id": rid,
+        "query": query if query is not None else f"query for {rid}",
+        "pos_doc": {"text": f"positive of {rid}", "image": pos_image},
+        "neg_docs": neg if neg is not None else [{"text": f"a text-only negative of {rid}"}],
+    }
+
+
+@pytest.fixture
+def data_bad_corpus(tmp_path: Path) -> dict[str, Any]:
+    """Raw JSONL + images covering every bad case of issue 2, with the expected outcome of each."""
+    root = tmp_path / "raw"
+    images = root / "images"
+    images.mkdir(parents=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    _png(outside / "secret.png")
+    _png(images / "good.png")
+    _png(images / "good2.png", colour=(30, 30, 200))
+    (images / "zero.png").write_bytes(b"")
+    buffer = io.BytesIO()
+    Image.effect_noise((64, 64), 50).convert("RGB").save(buffer, format="JPEG", quality=95)
+    (images / "truncated.jpg").write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+    (images / "text.jpg").write_text("this is not an image\n")
+    Image.new("1", (3000, 3000)).save(images / "huge.png")
+    Image.new("CMYK", (16, 16), (0, 255, 255, 0)).save(images / "cmyk.jpg")
+    _png(images / "rgba.png", "RGBA", (16, 16), (1, 2, 3, 128))
+    Image.new("I;16", (16, 16), 40000).save(images / "gray16.png")
+    Image.new("RGB", (16, 16), (9, 9, 9)).convert("P").save(images / "palette.png")
+    _png(images / "gray.png", "L", (16, 16), 128)
+    frames = [Image.new("RGB", (16, 16), c) for c in ((255, 0, 0), (0, 255, 0))]
+    frames[0].save(images / "anim.gif", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    os.symlink(outside / "secret.png", images / "link.png")
+
+    good_neg = {"text": "a black suit", "image": "images/good2.png"}
+    first = {"query": "  红色连衣裙适合什么场合 👗  ", "pos_doc": {"text": "红色连衣裙", "image": "images/good.png"},
+             "neg_docs": [good_neg]}
+    nfc, nfd = unicodedata.normalize("NFC", "café crème"), unicodedata.normalize("NFD", "café crème")
+    lines: list[bytes] = [
+        b"\xef\xbb\xbf" + _line(first) + b"\r\n",                                    # 1 BOM + CRLF, Chinese/emoji
+        b'{"query": "x", "pos_doc": {"text": "y"}\r\n',                               # 2 malformed JSON
+        _line({"pos_doc": {"text": "y"}}) + b"\n",                                   # 3 missing query
+        _line({"query": "a", "pos_doc": {"text": "y"}, "neg_doc": [{"text": "z"}]}) + b"\n",  # 4 extra field
+        _line({"query": 5, "pos_doc": {"text": "y"}}) + b"\n",                       # 5 wrong type (query)
+        _line({"query": "a", "pos_doc": {"text": "y"}, "neg_docs": {"text": "z"}}) + b"\n",  # 6 wrong type (negs)
+        _line({"query": "   ", "pos_doc": {"text": "y"}}) + b"\n",                  # 7 empty query
+        _line({"query": "a", "neg_docs": [{"text": "z"}]}) + b"\n",                 # 8 no positive
+        _line(first) + b"\n",                                                        # 9 duplicate of 1
+        _line({"query": nfc, "pos_doc": {"text": "t"}, "neg_docs": [{"text": "n"}]}) + b"\n",  # 10
+        _line({"query": nfd + " ", "pos_doc": {"text": "t"}, "neg_docs": [{"text": "n"}]}) + b"\n",  # 11 dup of 10
+        b"[1, 2]\n",                                                                 # 12 not an object
+        b'{"query": "\xff\xfe", "pos_doc": {"text": "y"}}\n',                        # 13 invalid UTF-8
+        b"   \n",                                                                    # 14 empty line
+        _line({"id": "same", "query": "q1", "pos_doc": {"text": "y"}, "neg_docs": [{"text": "n"}]}) + b"\n",  # 15
+        _line({"id": "same", "query": "q2", "pos_doc": {"text": "y"}}) + b"\n",      # 16 duplicate id
+        _line({"query": "a", "pos_doc": {"text": "", "image": " "}}) + b"\n",       # 17 empty document
+        _line({"query": "a", "pos_doc": {"text": "y", "meta": "popular"}}) + b"\n",  # 18 meta not an object
+    ]
+    rejected = {2: "malformed JSON", 3: "missing field 'query'", 4: "unknown field 'neg_doc'",
+                5: "wrong type at 'query'", 6: "wrong type at 'neg_docs'", 7: "empty query", 8: "no positive",
+                12: "not a JSON object", 13: "invalid UTF-8", 14: "empty line", 16: "duplicate id 'same'",
+                17: "empty document", 18: "wrong type at 'pos_doc.meta'"}
+    duplicates = 2
+    quarantined = {
+        "img-missing": "image not found", "img-zero": "zero-byte file", "img-truncated": "corrupt image",
+        "img-text": "not a decodable image", "img-traversal": "path escapes the image roots",
+        "img-symlink": "path escapes the image roots", "img-outside": "path escapes the image roots",
+        "img-huge": "too many pixels", "neg-left-none": "fewer than min_negatives: 0 < 1",
+        "query-missing": "query image not found",
+    }
+    refs = {"img-missing": "images/missing.png", "img-zero": "images/zero.png",
+            "img-truncated": "images/truncated.jpg", "img-text": "images/text.jpg",
+            "img-traversal": "../../etc/passwd", "img-symlink": "images/link.png",
+            "img-outside": "../outside/secret.png", "img-huge": "images/huge.png"}
+    modes = {"mode-cmyk": ("images/cmyk.jpg", "CMYK", "JPEG"), "mode-rgba": ("images/rgba.png", "RGBA", "PNG"),
+             "mode-16bit": ("images/gray16.png", "I;16", "PNG"), "mode-palette": ("images/palette.png", "P", "PNG"),
+             "mode-gray": ("images/gray.png", "L", "PNG"), "mode-gif": ("images/anim.gif", "P", "GIF")}
+    for rid, ref in refs.items():
+        lines.append(_line(_rec(rid, ref)) + b"\n")
+    for rid, (ref, _, _) in modes.items():
+        lines.append(_line(_rec(rid, ref)) + b"\n")
+    lines.append(_line(_rec("neg-removed", "images/good.png",
+                            [{"id": "bad-neg", "image": "images/text.jpg"}, {"text": "fine negative"}])) + b"\n")
+    lines.append(_line(_rec("neg-left-none", "images/good.png", [{"id": "zero-neg", "image": "images/zero.png"}]))
+                 + b"\n")
+    lines.append(_line(_rec("query-missing", "images/good.png", query={"image": "images/nowhere.png"})) + b"\n")
+    lines.append(_line(_rec("image-query", "images/good.png", query={"image": "images/good2.png", "text": "like"}))
+                 + b"\n")
+    jsonl = root / "records.jsonl"
+    jsonl.write_bytes(b"".join(lines))
+    clean_ok = {"mode-cmyk", "mode-rgba", "mode-16bit", "mode-palette", "mode-gray", "mode-gif", "neg-removed",
+                "image-query"}
+    return {
+        "root": root, "jsonl": jsonl, "lines_in": len(lines), "rejected": rejected, "duplicates": duplicates,
+        "quarantined": quarantined, "modes": modes, "clean_ok": clean_ok,
+        "source": {"files": [str(jsonl)], "image_roots": [str(root)], "demo": False},
+    }

@@ -1,0 +1,138 @@
+"""The report: metrics document, Markdown, PNG plots that decode, and the flat MLflow metrics."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from PIL import Image
+
+from lychee_pipeline.evaluation import (
+    METRIC_NAMES,
+    build_metrics_document,
+    build_plots,
+    compare_business,
+    evaluate_models,
+    figure_png,
+    mlflow_metrics,
+    rank_candidates,
+    render_markdown,
+    scaling_report,
+)
+from lychee_pipeline.evaluation.report import PLOT_FILES, loss_points
+
+
+def _scores():
+    rng = np.random.default_rng(1)
+    rows = []
+    for q in range(24):
+        task, lang = ("t2t", "t2i", "i2i")[q % 3], ("en", "zh")[q % 2]
+        for d in range(6):
+            label = int(d == 0)
+            meta = {"clicks": float(rng.integers(0, 20)), "purchased": float(d == 0 and q % 2 == 0),
+                    "popularity": float(rng.integers(1, 1000))}
+            for model, lift in (("base", 0.0), ("stage_1gpu", 0.8), ("stage_2gpu", 1.5)):
+                rows.append({"model": model, "query_id": f"q{q}", "doc_id": f"d{q}_{d}", "label": label,
+                             "score": float(rng.normal() + lift * label), "task_type": task, "language": lang,
+                             **meta})
+    return pd.DataFrame(rows)
+
+
+@pytest.fixture(scope="module")
+def document():
+    scores = _scores()
+    ranking = evaluate_models(scores, n_resamples=500)
+    ranked = {m: rank_candidates(g) for m, g in scores.groupby("model", sort=False)}
+    business = compare_business(ranked, ks=[5, 10])
+    stages = [
+        {"stage": "stage_1gpu", "devices": 1, "device_type": "cuda", "wall_time_s": 100.0, "train_pairs": 1000,
+         "pairs_per_s": 10.0, "peak_mem_gib": [30.0], "mrr_at_10": ranking["models"]["stage_1gpu"]["overall"]["mrr_at_10"]},
+        {"stage": "stage_2gpu", "devices": 2, "device_type": "cuda", "wall_time_s": 55.0, "train_pairs": 1000,
+         "pairs_per_s": 18.0, "peak_mem_gib": [31.0, 30.5]},
+    ]
+    losses = {"stage_1gpu": [(1, 2.0), (2, 1.2), (3, 0.9)], "stage_2gpu": [{"step": 1, "loss": 2.1}, {"step": 2, "loss": 1.0}]}
+    return json.loads(json.dumps(build_metrics_document(ranking, business, scaling_report(stages, 10_000), losses))), losses
+
+
+def test_document_carries_every_figure(document):
+    doc, _ = document
+    ranking = doc["ranking"]
+    for model in ("base", "stage_1gpu", "stage_2gpu"):
+        figures = ranking["models"][model]
+        assert set(METRIC_NAMES) <= set(figures["overall"])
+        assert set(figures["by_task_type"]) == {"t2t", "t2i", "i2i"}
+        assert set(figures["by_language"]) == {"en", "zh"}
+        for group in (*figures["by_task_type"].values(), *figures["by_language"].values()):
+            assert set(METRIC_NAMES) <= set(group)
+    assert ranking["finetuned"] == "stage_2gpu"
+    for model in ("stage_1gpu", "stage_2gpu"):
+        mrr = ranking["comparisons"][model]["mrr_at_10"]
+        assert {"base", "finetuned", "diff", "p_value", "ci_low", "ci_high"} <= set(mrr)
+        assert mrr["ci_low"] <= mrr["diff"] <= mrr["ci_high"]
+    business = doc["business"]["comparison"]
+    for k in (5, 10):
+        for name in ("expected_ctr", "expected_clicks", "expected_purchases", "long_tail_share", "coverage"):
+            row = business[f"{name}_at_{k}"]
+            assert set(row) == {"base", "finetuned", "uplift", "uplift_rel"}
+            assert row["base"] is not None and row["finetuned"] is not None
+    rows = doc["scaling"]["rows"]
+    for field in ("devices", "wall_time_s", "pairs_per_s", "scaling_efficiency", "peak_mem_gib", "epoch_time_s",
+                  "device_hours_per_epoch", "relative_device_hours", "mrr_at_10", "label"):
+        assert all(field in r for r in rows)
+    assert doc["scaling"]["summary"].startswith("Most cost-effective")
+    assert doc["training"]["stage_1gpu"]["final_loss"] == 0.9
+
+
+def test_markdown_report(document):
+    doc, _ = document
+    text = render_markdown(doc)
+    for heading in ("# Evaluation report", "## Ranking quality", "### `stage_2gpu` vs `base`", "by task type",
+                    "by query language", "## Business proxies", "## Scaling", "## Training losses", "## Plots"):
+        assert heading in text
+    assert "95% CI of difference" in text
+    assert doc["scaling"]["summary"] in text
+    for name in PLOT_FILES:
+        assert f"(plots/{name})" in text
+
+
+def test_plots_decode_as_png(document, tmp_path):
+    doc, losses = document
+    plots = build_plots(doc, losses)
+    assert set(plots) == set(PLOT_FILES)
+    for name, fig in plots.items():
+        data = figure_png(fig)
+        (tmp_path / name).write_bytes(data)
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+            assert image.format == "PNG" and image.width > 200 and image.height > 200
+
+
+def test_plots_without_stages_still_render():
+    plots = build_plots({"ranking": {"models": {}}, "scaling": None}, {})
+    for fig in plots.values():
+        with Image.open(io.BytesIO(figure_png(fig))) as image:
+            assert image.format == "PNG"
+
+
+def test_mlflow_metrics_are_flat_and_named(document):
+    doc, _ = document
+    flat = mlflow_metrics(doc)
+    assert all(isinstance(v, float) for v in flat.values())
+    assert flat["test.mrr_at_10.finetuned"] == doc["ranking"]["models"]["stage_2gpu"]["overall"]["mrr_at_10"]
+    assert flat["test.mrr_at_10.base"] == doc["ranking"]["models"]["base"]["overall"]["mrr_at_10"]
+    assert flat["test.mrr_at_10.ci_low"] == doc["ranking"]["comparisons"]["stage_2gpu"]["mrr_at_10"]["ci_low"]
+    assert "test.mrr_at_10.stage_1gpu.p_value" in flat
+    assert "test.by_task_type.t2i.ndcg_at_10.finetuned" in flat
+    assert flat["business.expected_ctr_at_10.uplift"] == doc["business"]["comparison"]["expected_ctr_at_10"]["uplift"]
+    assert flat["scaling.stage_2gpu.scaling_efficiency"] == pytest.approx(0.9)
+    assert flat["training.stage_1gpu.final_loss"] == 0.9
+
+
+def test_loss_points_forms():
+    assert loss_points([0.5, 0.4]) == [(1.0, 0.5), (2.0, 0.4)]
+    assert loss_points([[10, 0.5]]) == [(10.0, 0.5)]
+    assert loss_points([{"step": 3, "loss": 0.2}]) == [(3.0, 0.2)]
+    assert loss_points(None) == []

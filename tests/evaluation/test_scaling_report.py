@@ -1,0 +1,64 @@
+"""Scaling report: efficiency, projected epoch time, device-hours and the verdict, worked out here."""
+
+from __future__ import annotations
+
+import pytest
+
+from lychee_pipeline.evaluation.scaling import device_label, scaling_report
+
+
+def stage(name, devices, pps, device_type="cuda", **extra):
+    return {"stage": name, "devices": devices, "device_type": device_type, "wall_time_s": 3600 / pps * 10,
+            "train_pairs": 36000, "pairs_per_s": pps, "peak_mem_gib": [20.0 + i for i in range(devices)], **extra}
+
+
+def test_efficiency_epoch_time_and_gpu_hours():
+    report = scaling_report([stage("s1", 1, 100.0, mrr_at_10=0.5), stage("s2", 2, 180.0), stage("s4", 4, 320.0)],
+                            full_train_pairs=36_000)
+    rows = {r["stage"]: r for r in report["rows"]}
+    assert [rows[s]["scaling_efficiency"] for s in ("s1", "s2", "s4")] == pytest.approx([1.0, 0.9, 0.8])
+    assert [rows[s]["epoch_time_s"] for s in ("s1", "s2", "s4")] == pytest.approx([360.0, 200.0, 112.5])
+    # device-hours per epoch: 1*360/3600, 2*200/3600, 4*112.5/3600
+    assert [rows[s]["device_hours_per_epoch"] for s in ("s1", "s2", "s4")] == pytest.approx([0.1, 1 / 9, 0.125])
+    assert [rows[s]["relative_device_hours"] for s in ("s1", "s2", "s4")] == pytest.approx([1.0, 10 / 9, 1.25])
+    assert rows["s4"]["peak_mem_gib"] == [20.0, 21.0, 22.0, 23.0] and rows["s4"]["peak_mem_gib_max"] == 23.0
+    assert rows["s1"]["mrr_at_10"] == 0.5 and rows["s2"]["mrr_at_10"] is None
+    assert rows["s4"]["label"] == "4 GPUs"
+    assert report["most_cost_effective"]["devices"] == 1
+    assert report["fastest"]["devices"] == 4
+    assert report["summary"].startswith("Most cost-effective: 1 GPU (s1)")
+
+
+def test_superlinear_scaling_wins_on_cost():
+    report = scaling_report([stage("s1", 1, 100.0), stage("s2", 2, 220.0)], full_train_pairs=1000)
+    assert report["rows"][1]["scaling_efficiency"] == pytest.approx(1.1)
+    assert report["most_cost_effective"]["devices"] == 2
+    assert "2 GPUs (s2)" in report["summary"]
+
+
+def test_cpu_processes_are_labelled_and_throughput_derived():
+    stages = [
+        {"stage": "cpu1", "devices": 1, "device_type": "cpu", "wall_time_s": 50.0, "train_pairs": 100, "peak_mem_gib": 1.5},
+        {"stage": "cpu2", "devices": 2, "device_type": "cpu", "wall_time_s": 40.0, "train_pairs": 100},
+    ]
+    report = scaling_report(stages, full_train_pairs=1000)
+    r1, r2 = report["rows"]
+    assert r1["pairs_per_s"] == pytest.approx(2.0) and r2["pairs_per_s"] == pytest.approx(2.5)
+    assert r2["scaling_efficiency"] == pytest.approx(2.5 / (2 * 2.0))
+    assert r1["peak_mem_gib"] == [1.5] and r2["peak_mem_gib_max"] is None
+    assert (r1["label"], r2["label"]) == ("1 CPU process", "2 CPU processes")
+    assert "CPU-process-hours" in report["summary"]
+    assert device_label(1, "cuda") == "1 GPU"
+
+
+def test_reference_without_a_one_device_stage():
+    report = scaling_report([stage("s2", 2, 200.0), stage("s4", 4, 300.0)], full_train_pairs=600)
+    s2, s4 = report["rows"]
+    assert s4["reference_devices"] == 2
+    assert s4["scaling_efficiency"] == pytest.approx(300.0 * 2 / (4 * 200.0))
+
+
+def test_without_stages_or_dataset_size():
+    assert scaling_report([], 100)["summary"] == "No stage ran, so there is no scaling verdict."
+    report = scaling_report([stage("s1", 1, 10.0)], None)
+    assert report["rows"][0]["epoch_time_s"] is None and report["most_cost_effective"] is None

@@ -1,0 +1,163 @@
+"""Collators: left padding, all processor outputs, text-only truncation, broken images, groups."""
+
+import pytest
+import torch
+
+from lychee_pipeline.reranker import GroupCollator, PairCollator, max_pixels_at, sample_group
+from lychee_pipeline.reranker.collate import BrokenImageError
+from lychee_pipeline.reranker.model import load_processor
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_dir):
+    return load_processor(tiny_dir)
+
+
+def _row(images, n_hard=6, n_easy=6, record_id="rec-1"):
+    negatives = [
+        {"doc_id": f"h{i}", "text": f"hard negative {i}", "image": None, "hard": True, "meta": "{}"}
+        for i in range(n_hard)
+    ] + [
+        {"doc_id": f"e{i}", "text": f"random negative {i}", "image": images["green"] if i % 2 else None,
+         "hard": False, "meta": "{}"}
+        for i in range(n_easy)
+    ]
+    return {
+        "record_id": record_id,
+        "query": {"text": "red shoes", "image": None},
+        "positives": [{"doc_id": "p0", "text": "red running shoes", "image": images["red"], "meta": "{}"}],
+        "negatives": negatives,
+        "task_type": "t2it",
+        "language": "en",
+        "split": "train",
+    }
+
+
+def test_left_padding_and_every_output_passed(processor, images):
+    pairs = [
+        ({"text": "q", "image": None}, {"text": "short", "image": None}),
+        ({"text": "q", "image": images["blue"]}, {"text": "a much longer document " * 5, "image": images["red"]}),
+    ]
+    batch = PairCollator(processor)(pairs)
+    assert {"input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids"} <= set(batch)
+    mask = batch["attention_mask"]
+    assert bool(mask[:, -1].all()) and not bool(mask[0, 0])  # pad on the left
+    image_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert int((batch["mm_token_type_ids"] != 0).sum()) == int((batch["input_ids"] == image_id).sum())
+    assert batch["image_grid_thw"].shape == (2, 3)
+
+
+def test_truncation_cuts_text_never_image_tokens(processor, images):
+    image_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    query = {"text": "find this " * 20, "image": images["blue"]}
+    doc = {"text": "long description words " * 60, "image": images["wide"]}
+    untruncated = PairCollator(processor, max_length=100_000)([(query, doc)])
+    n_image_tokens = int((untruncated["input_ids"] == image_id).sum())
+    full_len = untruncated["input_ids"].shape[1]
+    budget = n_image_tokens + 300
+    collator = PairCollator(processor, max_length=budget)
+    batch = collator([(query, doc), ({"text": "short", "image": None}, {"text": "short doc", "image": None})])
+    assert batch["input_ids"].shape[1] <= budget
+    assert int((batch["input_ids"][0] == image_id).sum()) == n_image_tokens
+    torch.testing.assert_close(batch["pixel_values"][: untruncated["pixel_values"].shape[0]], untruncated["pixel_values"])
+    stats = collator.stats
+    assert stats.pairs == 2 and stats.truncated_pairs == 1
+    assert stats.truncated_tokens == full_len - int(batch["attention_mask"][0].sum())
+    assert stats.over_length_pairs == 0
+    # the document text is cut first: the query text is still whole
+    text = processor.tokenizer.decode(batch["input_ids"][0])
+    assert "find this " * 20 in text
+    assert "long description words" in text and "long description words " * 60 not in text
+
+
+def test_images_larger_than_the_budget_are_kept_whole_and_counted(processor, images):
+    image_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    collator = PairCollator(processor, max_length=20)
+    batch = collator([({"text": "q", "image": images["blue"]}, {"text": "some text here", "image": images["blue"]})])
+    assert int((batch["input_ids"] == image_id).sum()) == 2 * 16  # 112x112 -> 4x4 merged tokens each
+    assert collator.stats.over_length_pairs == 1
+
+
+def test_pixel_budget_and_schedule(processor, images):
+    image_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    pair = ({"text": "q", "image": None}, {"text": None, "image": images["blue"]})
+    collator = PairCollator(processor, min_pixels=28 * 28, max_pixels=112 * 112)
+    assert int((collator([pair])["input_ids"] == image_id).sum()) == 16
+    collator.set_max_pixels(56 * 56)
+    assert int((collator([pair])["input_ids"] == image_id).sum()) == 4
+    schedule = [(0.0, 56 * 56), (0.5, 112 * 112)]
+    assert [max_pixels_at(p, schedule) for p in (0.0, 0.49, 0.5, 1.0)] == [3136, 3136, 12544, 12544]
+    assert max_pixels_at(0.1, {0.2: 100, 0.6: 200}, default=50) == 50
+    assert max_pixels_at(0.7, 999) == 999
+    assert max_pixels_at(0.3, None, default=777) == max_pixels_at(0.3, [], default=777) == 777
+
+
+def test_broken_and_missing_images_name_the_file(processor, images, tmp_path):
+    collator = PairCollator(processor)
+    with pytest.raises(BrokenImageError, match="broken.png") as info:
+        collator([({"text": "q", "image": None}, {"text": "d", "image": images["broken"]})])
+    assert info.value.path == images["broken"]
+    missing = str(tmp_path / "gone.jpg")
+    with pytest.raises(BrokenImageError, match="gone.jpg"):
+        collator([({"text": None, "image": missing}, {"text": "d", "image": None})])
+
+
+def test_sample_group_hard_first_half_and_redrawn_by_epoch(images):
+    row = _row(images)
+    g = sample_group(row, group_size=8, epoch=0, seed=7)
+    assert g["docs"][0]["text"] == "red running shoes"
+    negs = [d["text"] for d in g["docs"][1:]]
+    assert len(negs) == 7 and len(set(negs)) == 7
+    assert sum(t.startswith("hard") for t in negs) == 4  # ceil(7 / 2) mined ones first
+    assert all(t.startswith("hard") for t in negs[:4]) and all(t.startswith("random") for t in negs[4:])
+    assert sample_group(row, 8, epoch=0, seed=7) == g  # deterministic
+    draws = {tuple(d["text"] for d in sample_group(row, 8, epoch=e, seed=7)["docs"]) for e in range(6)}
+    assert len(draws) > 1  # re-drawn each epoch
+
+
+def test_sample_group_fills_in_and_errors_when_short(images):
+    few_easy = sample_group(_row(images, n_hard=6, n_easy=1), group_size=6)
+    assert sum(d["text"].startswith("hard") for d in few_easy["docs"][1:]) == 4
+    only_easy = sample_group(_row(images, n_hard=0, n_easy=5), group_size=4)
+    assert all(d["text"].startswith("random") for d in only_easy["docs"][1:])
+    with pytest.raises(ValueError, match="rec-1 has 3 negatives"):
+        sample_group(_row(images, n_hard=2, n_easy=1), group_size=8)
+
+
+def test_group_collator_labels_and_instruction_per_row(processor, images):
+    collator = GroupCollator(processor, group_size=4, instructions={"t2it": "Pick the product"}, seed=3)
+    batch = collator([_row(images, record_id="a"), _row(images, record_id="b")])
+    assert batch["input_ids"].shape[0] == 8 and batch["group_size"] == 4
+    assert batch["labels"].dtype == torch.float32
+    assert batch["labels"].tolist() == [1, 0, 0, 0, 1, 0, 0, 0]
+    texts = processor.tokenizer.batch_decode(batch["input_ids"])
+    assert all("<Instruct>: Pick the product<Query>:" in t for t in texts)
+    assert "red running shoes<|im_end|>" in texts[0] and "red running shoes<|im_end|>" in texts[4]
+    collator.set_epoch(1)
+    assert collator.epoch == 1
+
+
+def test_query_text_is_cut_once_the_document_text_is_gone(processor, images):
+    image_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    query = {"text": "query words " * 80, "image": images["red"]}
+    doc = {"text": "document words " * 80, "image": images["blue"]}
+    base = PairCollator(processor, max_length=100_000)([({"text": None, "image": images["red"]},
+                                                        {"text": None, "image": images["blue"]})])
+    floor = base["input_ids"].shape[1]  # the prompt with both images and no text at all
+    collator = PairCollator(processor, max_length=floor + 10)
+    batch = collator([(query, doc)])
+    assert batch["input_ids"].shape[1] <= floor + 10
+    assert int((batch["input_ids"] == image_id).sum()) == 4 + 16
+    text = processor.tokenizer.decode(batch["input_ids"][0])
+    assert "document words" not in text and "query" in text
+    assert collator.stats.truncated_pairs == 1 and collator.stats.over_length_pairs == 0
+
+
+def test_rows_with_array_columns_from_pandas(processor, images):
+    import numpy as np
+
+    row = _row(images)
+    row["positives"] = np.array(row["positives"], dtype=object)
+    row["negatives"] = np.array(row["negatives"], dtype=object)
+    group = sample_group(row, group_size=3, epoch=0, seed=0)
+    assert len(group["docs"]) == 3 and group["docs"][0]["image"] == images["red"]

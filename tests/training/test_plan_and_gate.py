@@ -1,0 +1,77 @@
+"""Stage planning (the 1 -> 2 -> 4 ladder, parameter validation) and the gate between stages."""
+
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from lychee_pipeline.pipelines.training.nodes import StageGateError, check_stage, plan_training
+from lychee_pipeline.training.config import stage_devices
+from lychee_pipeline.training.launch import check_device_count
+
+RUN = {"name": "t", "output_root": "data/06_models/runs"}
+
+
+@pytest.mark.parametrize("gpus,ladder", [(1, [1]), (2, [1, 2]), (3, [1, 2, 3]), (4, [1, 2, 4]), (8, [1, 2, 4, 8])])
+def test_stage_ladder(gpus, ladder):
+    assert stage_devices(gpus) == ladder
+
+
+def _plan(**training):
+    return plan_training({}, training, {}, 2, "cpu", RUN)
+
+
+def test_plan_on_cpu_runs_processes():
+    plan = _plan()
+    assert plan["device_type"] == "cpu" and plan["ladder"] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "bad,name",
+    [({"learning_rate": -1e-4}, "learning_rate"), ({"loss": "hinge"}, "loss"), ({"group_size": "eight"}, "group_size")],
+)
+def test_bad_parameters_name_the_parameter(bad, name):
+    with pytest.raises(ValidationError, match=name):
+        _plan(**bad)
+
+
+def test_qlora_on_cpu_is_refused():
+    with pytest.raises(ValueError, match="qlora needs a CUDA GPU"):
+        plan_training({"finetune": "qlora"}, {}, {}, 1, "cpu", RUN)
+
+
+def test_too_many_gpus_refused_naming_both_numbers():
+    import torch
+
+    if torch.cuda.is_available():
+        visible = torch.cuda.device_count()
+        with pytest.raises(ValueError, match=f"gpus={visible + 1}.*{visible} visible"):
+            check_device_count(visible + 1, "cuda")
+    else:
+        with pytest.raises(ValueError, match="gpus=4 asks for more GPUs than the 0 visible"):
+            check_device_count(4, "cuda")
+
+
+def _result(losses, devices=2, diff=0.0):
+    return {"stage": "stage_2cpu", "devices": devices, "losses": [[i + 1, x] for i, x in enumerate(losses)],
+            "replica_max_diff": diff, "pairs_per_s": 1.0, "adapter_dir": "/tmp/x/adapter"}
+
+
+def test_gate_passes_a_falling_loss():
+    plan = _plan()
+    assert check_stage(_result([1.0, 0.9, 0.8, 0.7, 0.6, 0.5]), plan)["stage"] == "stage_2cpu"
+
+
+def test_gate_stops_non_finite_loss_naming_step_and_logs():
+    with pytest.raises(StageGateError, match=r"'finite loss' failed .* step 3 \(logs: /tmp/x/launch.log\)"):
+        check_stage(_result([1.0, 0.9, math.nan, 0.7]), _plan())
+
+
+def test_gate_stops_loss_that_does_not_fall():
+    with pytest.raises(StageGateError, match="'loss falls' failed"):
+        check_stage(_result([0.5, 0.5, 0.6, 0.7, 0.8, 0.9]), _plan())
+
+
+def test_gate_stops_replicas_out_of_sync():
+    with pytest.raises(StageGateError, match="'replicas in sync' failed"):
+        check_stage(_result([1.0, 0.8, 0.6], diff=0.1), _plan())

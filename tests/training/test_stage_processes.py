@@ -1,0 +1,46 @@
+"""Real `accelerate launch` stages on CPU: 2 gloo processes in sync, resume after kill -9, NaN gate."""
+
+from __future__ import annotations
+
+import pytest
+
+from lychee_pipeline.pipelines.training.nodes import StageGateError, check_stage, plan_training, run_training_stage
+from lychee_pipeline.training.launch import StageFailed
+
+
+def _plan(tmp_path, gpus=1, **training):
+    base = dict(group_size=4, learning_rate=1e-3, warmup_ratio=0.0, scheduler="constant", max_steps=6,
+                max_length=512, max_pixels=12544, checkpoint_every=3, keep_last=3, seed=1)
+    base.update(training)
+    return plan_training({"name_or_path": "builtin:tiny", "lora": {"r": 8}}, base, {"check_steps": {1: 6, 2: 6}},
+                         gpus, "cpu", {"name": "t", "output_root": str(tmp_path)})
+
+
+def test_two_cpu_processes_stay_in_sync(tmp_path, training_table_path):
+    plan = _plan(tmp_path, gpus=2)
+    result = run_training_stage(training_table_path, plan, devices=2, final=True)
+    assert result["devices"] == 2 and result["device_type"] == "cpu"
+    assert result["steps"] == 6 and result["train_pairs"] == 6 * 4 * 2
+    assert result["replica_max_diff"] == 0.0  # gradients all-reduced: identical replicas
+    assert len(result["peak_mem_gib"]) == 2
+    check_stage(result, plan)
+
+
+def test_resume_after_kill_matches_uninterrupted_run(tmp_path, training_table_path, monkeypatch):
+    reference = run_training_stage(training_table_path, _plan(tmp_path / "ref"), devices=1, final=True)
+
+    monkeypatch.setenv("LYCHEE_FAULT", "after_step_5")  # SIGKILL after step 5; checkpoint-3 exists
+    with pytest.raises(StageFailed, match=r"exited with code .*Full log: .*launch.log"):
+        run_training_stage(training_table_path, _plan(tmp_path / "killed"), devices=1, final=True)
+    monkeypatch.delenv("LYCHEE_FAULT")
+    resumed = run_training_stage(training_table_path, _plan(tmp_path / "killed", resume=True), devices=1, final=True)
+    assert [s for s, _ in resumed["losses"]] == [1, 2, 3, 4, 5, 6]
+    assert [x for _, x in resumed["losses"]] == pytest.approx([x for _, x in reference["losses"]], abs=1e-6)
+
+
+def test_gate_stops_injected_nan(tmp_path, training_table_path, monkeypatch):
+    monkeypatch.setenv("LYCHEE_FAULT", "nan_loss")
+    plan = _plan(tmp_path, max_steps=2)
+    result = run_training_stage(training_table_path, plan, devices=1, final=True)
+    with pytest.raises(StageGateError, match="'finite loss' failed for stage_1cpu_final: non-finite loss at step 1"):
+        check_stage(result, plan)
