@@ -28,7 +28,7 @@ class Reranker:
     def __init__(
         self,
         model: LycheeReranker,
-        batch_size: int = 16,
+        batch_size: int = 32,
         max_length: int = DEFAULT_MAX_LENGTH,
         min_pixels: int = DEFAULT_MIN_PIXELS,
         max_pixels: int = DEFAULT_MAX_PIXELS,
@@ -48,7 +48,7 @@ class Reranker:
         name_or_path: str,
         adapter: str | None = None,
         device: str | torch.device | None = "auto",
-        batch_size: int = 16,
+        batch_size: int = 32,
         max_length: int = DEFAULT_MAX_LENGTH,
         min_pixels: int = DEFAULT_MIN_PIXELS,
         max_pixels: int = DEFAULT_MAX_PIXELS,
@@ -81,17 +81,23 @@ class Reranker:
         return cls(model, batch_size, max_length, min_pixels, max_pixels, instructions)
 
     # -- scoring ----------------------------------------------------------------------------------
-    def _run(self, prepared: list[tuple[str, list[Any], int]]) -> torch.Tensor:
-        batch = self.collator.encode(prepared)
-        device = self.model.device
-        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        return self.model.probabilities(self.model(**batch)).float().cpu()
-
     def score_pairs(self, pairs: Sequence[Sequence[Any]]) -> list[float]:
-        """p(yes) for each ``(query, doc)`` or ``(query, doc, instruction)`` pair, in input order."""
+        """p(yes) for each ``(query, doc)`` or ``(query, doc, instruction)`` pair, in input order.
+
+        Pairs are sorted by length within chunks (little padding). Each batch's scores stay on the device
+        until the next batch is encoded on the host, so image decoding and tokenization overlap the GPU.
+        """
         scores: list[float] = [0.0] * len(pairs)
         was_training = self.model.training
         self.model.eval()
+        device = self.model.device
+        pending: tuple[list[int], int, torch.Tensor] | None = None
+
+        def read_back() -> None:
+            idx, start, probs = pending
+            for i, p in zip(idx, probs.float().cpu().tolist()):
+                scores[start + i] = float(p)
+
         try:
             with torch.inference_mode():
                 for start in range(0, len(pairs), self.chunk_size):
@@ -99,9 +105,14 @@ class Reranker:
                     order = sorted(range(len(chunk)), key=lambda i: chunk[i][2])
                     for b in range(0, len(order), self.batch_size):
                         idx = order[b : b + self.batch_size]
-                        probs = self._run([chunk[i] for i in idx])
-                        for i, p in zip(idx, probs.tolist()):
-                            scores[start + i] = float(p)
+                        batch = self.collator.encode([chunk[i] for i in idx])
+                        batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                                 for k, v in batch.items()}
+                        if pending is not None:
+                            read_back()
+                        pending = (idx, start, self.model.probabilities(self.model(**batch)))
+                if pending is not None:
+                    read_back()
         finally:
             self.model.train(was_training)
         return scores

@@ -50,6 +50,8 @@ class ModelConfig:
     adapter: str | None = None
     freeze_vision: bool = True
     tiny_cache_dir: str | None = None
+    fast_path: bool = True
+    checkpoint_layers: int | float | None = None  # with activation_checkpointing: None = every decoder layer
 
     def __post_init__(self) -> None:
         if self.finetune not in FINETUNE_MODES:
@@ -402,7 +404,9 @@ def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") 
             gradient_checkpointing_kwargs={"use_reentrant": False},
         )
     elif cfg.activation_checkpointing:
-        enable_activation_checkpointing(model)
+        from .fast_vision import apply_selective_checkpointing
+
+        apply_selective_checkpointing(model, layers=cfg.checkpoint_layers)
 
     trainable = cfg.finetune in ("lora", "qlora", "full")
     if cfg.adapter is not None:
@@ -425,6 +429,10 @@ def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") 
     else:
         _freeze_vision(model)  # peft already froze the base; make sure nothing visual trains
 
+    if cfg.fast_path:  # batched vision windows, frozen tower without autograd (docs/benchmarks.md)
+        from .fast_vision import enable_fast_path
+
+        enable_fast_path(model)
     tok = processor.tokenizer
     reranker = LycheeReranker(model, processor, cfg, single_token_id(tok, "yes"), single_token_id(tok, "no"))
     reranker.train(trainable)

@@ -1,0 +1,290 @@
+"""Shared pieces of the GPU benchmarks: the Qwen2.5-VL-7B architecture with random weights, synthetic
+Lychee-shaped inputs, timing and MFU.
+
+Needs only torch, transformers, peft (and the project's reranker package on ``PYTHONPATH=src``).
+``tiny=True`` gives a miniature of the same architecture so every code path runs on a CPU in seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+# Qwen2.5-VL-7B-Instruct special token ids
+IMAGE_TOKEN_ID = 151655
+VIDEO_TOKEN_ID = 151656
+VISION_START_ID = 151652
+VISION_END_ID = 151653
+PAD_ID = 151643  # <|endoftext|>
+IM_START_ID = 151644
+IM_END_ID = 151645
+TEXT_ID_RANGE = (0, 151000)  # ordinary BPE ids
+# "yes" / "no" in Qwen2's vocabulary (any two ordinary ids would do for random weights)
+YES_ID = 9693
+NO_ID = 2152
+
+SEVEN_B_TEXT = dict(
+    vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+    num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000,
+    rms_norm_eps=1e-6, rope_theta=1e6, mrope_section=[16, 24, 24],
+)
+SEVEN_B_VISION = dict(
+    depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+    patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+    fullatt_block_indexes=[7, 15, 23, 31],
+)
+TINY_TEXT = dict(
+    vocab_size=152064, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+    rms_norm_eps=1e-6, rope_theta=1e6, mrope_section=[2, 3, 3],
+)
+TINY_VISION = dict(
+    depth=4, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=64,
+    patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+    fullatt_block_indexes=[1, 3],
+)
+
+
+@dataclass
+class Shape:
+    """The input shape of one benchmark: groups of ``group_size`` pairs."""
+
+    group_size: int = 8
+    text_tokens: int = 600  # mean text tokens per pair (template + query + document)
+    text_jitter: float = 0.25  # uniform +-25%
+    image_side: int = 448  # one document image per pair, image_side x image_side pixels
+    query_tokens: int = 60  # shared by the pairs of a group (system prompt, instruction, query)
+
+    @staticmethod
+    def tiny() -> "Shape":
+        return Shape(group_size=8, text_tokens=60, text_jitter=0.25, image_side=224, query_tokens=12)
+
+
+def build_config(tiny: bool = False, **token_ids: int):
+    """Qwen2_5_VLConfig with the published 7B dimensions (or the tiny miniature); random init only.
+
+    ``token_ids`` may override image/video/vision_start/vision_end ids (e.g. to match a tokenizer).
+    """
+    from transformers import Qwen2_5_VLConfig
+
+    t = dict(TINY_TEXT if tiny else SEVEN_B_TEXT)
+    v = dict(TINY_VISION if tiny else SEVEN_B_VISION)
+    ids = {
+        "image_token_id": IMAGE_TOKEN_ID,
+        "video_token_id": VIDEO_TOKEN_ID,
+        "vision_start_token_id": VISION_START_ID,
+        "vision_end_token_id": VISION_END_ID,
+    }
+    ids.update(token_ids)
+    text_config = {
+        "vocab_size": t["vocab_size"],
+        "hidden_size": t["hidden_size"],
+        "intermediate_size": t["intermediate_size"],
+        "num_hidden_layers": t["num_hidden_layers"],
+        "num_attention_heads": t["num_attention_heads"],
+        "num_key_value_heads": t["num_key_value_heads"],
+        "max_position_embeddings": t["max_position_embeddings"],
+        "rms_norm_eps": t["rms_norm_eps"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": t["rope_theta"], "mrope_section": t["mrope_section"]},
+        "bos_token_id": PAD_ID,
+        "eos_token_id": IM_END_ID,
+        "pad_token_id": PAD_ID,
+        "tie_word_embeddings": False,
+    }
+    return Qwen2_5_VLConfig(
+        text_config=text_config,
+        vision_config=dict(v),
+        bos_token_id=PAD_ID,
+        eos_token_id=IM_END_ID,
+        pad_token_id=PAD_ID,
+        tie_word_embeddings=False,
+        **ids,
+    )
+
+
+def build_model(config, device: torch.device, dtype: torch.dtype, attn_implementation: str = "sdpa", seed: int = 0):
+    """``Qwen2_5_VLForConditionalGeneration`` with random weights created directly on ``device``."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen2_5_VLForConditionalGeneration._from_config(config, attn_implementation=attn_implementation)
+    finally:
+        torch.set_default_dtype(previous)
+    model.to(dtype)
+    model.config.use_cache = False
+    return model
+
+
+def count_params(model) -> tuple[int, int, int]:
+    """(language model, vision tower, total) parameter counts of a Qwen2.5-VL (peft-wrapped or not)."""
+    lm = vis = total = 0
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            continue
+        total += p.numel()
+        if ".visual." in f".{name}" or name.startswith("visual."):
+            vis += p.numel()
+        elif "language_model" in name:
+            lm += p.numel()
+    return lm, vis, total
+
+
+def _pair_ids(rng: torch.Generator, query: list[int], n_text: int, image_tokens: int) -> tuple[list[int], list[int]]:
+    """One pair's token ids and mm_token_type_ids (1 on image tokens)."""
+    lo, hi = TEXT_ID_RANGE
+    suffix = [IM_END_ID, 198, IM_START_ID, 77091, 198]  # <|im_end|>\n<|im_start|>assistant\n
+    n_doc = max(1, n_text - len(query) - len(suffix) - 2)
+    doc = torch.randint(lo, hi, (n_doc,), generator=rng).tolist()
+    ids = query + [VISION_START_ID] + [IMAGE_TOKEN_ID] * image_tokens + [VISION_END_ID] + doc + suffix
+    types = [0] * (len(query) + 1) + [1] * image_tokens + [0] * (1 + len(doc) + len(suffix))
+    return ids, types
+
+
+def synthetic_group(shape: Shape, seed: int, patch: int = 14, merge: int = 2, temporal: int = 2) -> dict[str, Any]:
+    """One group of ``shape.group_size`` pairs as processor-like outputs (left padded, CPU tensors).
+
+    Keys: input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw, labels (1.0 on the
+    positive, first), group_size. The query part is shared by the group, the document text and the
+    document image differ per pair.
+    """
+    rng = torch.Generator().manual_seed(seed)
+    lo, hi = TEXT_ID_RANGE
+    query = [IM_START_ID] + torch.randint(lo, hi, (shape.query_tokens - 1,), generator=rng).tolist()
+    grid = shape.image_side // patch
+    image_tokens = (grid // merge) ** 2
+    rows, types = [], []
+    for _ in range(shape.group_size):
+        jitter = (torch.rand((), generator=rng).item() * 2 - 1) * shape.text_jitter
+        n_text = int(round(shape.text_tokens * (1 + jitter)))
+        ids, tt = _pair_ids(rng, query, n_text, image_tokens)
+        rows.append(ids)
+        types.append(tt)
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    mm_types = torch.zeros((len(rows), width), dtype=torch.int32)
+    for i, (ids, tt) in enumerate(zip(rows, types)):
+        input_ids[i, width - len(ids):] = torch.tensor(ids)
+        attention_mask[i, width - len(ids):] = 1
+        mm_types[i, width - len(ids):] = torch.tensor(tt, dtype=torch.int32)
+    patches = grid * grid
+    pixel_values = torch.randn((shape.group_size * patches, 3 * temporal * patch * patch), generator=rng)
+    image_grid_thw = torch.tensor([[1, grid, grid]] * shape.group_size, dtype=torch.long)
+    labels = torch.zeros(shape.group_size)
+    labels[0] = 1.0
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "mm_token_type_ids": mm_types,
+        "pixel_values": pixel_values,
+        "image_grid_thw": image_grid_thw,
+        "labels": labels,
+        "group_size": shape.group_size,
+    }
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+def batch_stats(batch: dict[str, Any]) -> dict[str, int]:
+    mask = batch["attention_mask"]
+    return {
+        "pairs": int(mask.shape[0]),
+        "tokens": int(mask.sum()),
+        "padded_tokens": int(mask.numel()),
+        "patches": int(batch["image_grid_thw"].prod(dim=1).sum()) if "image_grid_thw" in batch else 0,
+    }
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_tflops(device: torch.device, n: int = 8192, warmup: int = 3, iters: int = 20) -> float:
+    """Measured dense bf16 matmul rate (median of ``iters`` products of n x n x n, random data)."""
+    if device.type != "cuda":
+        n, iters = 512, 5
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(warmup):
+        a @ b
+    sync(device)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    del a, b
+    return 2 * n**3 / statistics.median(times) / 1e12
+
+
+def time_steps(step: Callable[[int], Any], device: torch.device, warmup: int, steps: int) -> list[float]:
+    """Run ``step(i)`` ``warmup`` times untimed, then ``steps`` times, synchronising around each."""
+    for i in range(warmup):
+        step(i)
+    sync(device)
+    times = []
+    for i in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        step(warmup + i)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def peak_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return float("nan")
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def mfu(useful_flops_per_s: float, tflops: float) -> float:
+    return useful_flops_per_s / (tflops * 1e12) if tflops > 0 and math.isfinite(tflops) else float("nan")
+
+
+def environment(device: torch.device) -> dict[str, str]:
+    import transformers
+
+    info = {"torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        import peft
+
+        info["peft"] = peft.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["cuda"] = str(torch.version.cuda)
+        try:
+            import subprocess
+
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=20,
+            )
+            info["driver"] = out.stdout.strip()
+        except Exception:  # noqa: BLE001 - informational only
+            info["driver"] = "unknown"
+    else:
+        info["gpu"] = "none (CPU)"
+    return info

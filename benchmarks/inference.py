@@ -1,0 +1,296 @@
+"""Inference benchmark on the Qwen2.5-VL-7B architecture (random weights, bf16): the reranker core's
+batched scoring (``Reranker.score_pairs``) against a naive loop, on the same 512 pairs.
+
+    PYTHONPATH=src python benchmarks/inference.py           # CUDA GPU
+    PYTHONPATH=src python benchmarks/inference.py --tiny    # the same code paths on a CPU
+
+Pairs: 64 queries x 8 documents; each pair ~600 text tokens +-50% and one 448x448 document image
+(256 visual tokens), fixed seed. Text goes through the project's processor and collator: the
+built-in tiny model's tokenizer and image processor (same special tokens, chat template and image
+processing as Qwen2.5-VL), with the 7B architecture's token ids set to that tokenizer's.
+
+* ``naive``: batches of 8 in input order, padded, the stock Hugging Face forward with full logits;
+* ``core``:  ``Reranker(model, batch_size=B).score_pairs`` (length-sorted batches, last-position
+             yes/no logits) with the fast vision path (``fast_vision.enable_fast_path``);
+* ``core-nofast`` (``--attribute``): the same without the fast vision path.
+
+Timed end to end (prompt building, image processing, forward, scores back on the host), after a
+warm-up. Scores are compared with the naive loop's, and so are the per-query rankings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+from lychee_pipeline.reranker import fast_vision  # noqa: E402
+from lychee_pipeline.reranker.collate import PairCollator  # noqa: E402
+from lychee_pipeline.reranker.inference import Reranker  # noqa: E402
+from lychee_pipeline.reranker.model import LycheeReranker, ModelConfig, load_processor, single_token_id  # noqa: E402
+from lychee_pipeline.reranker.tiny import ensure_tiny  # noqa: E402
+
+WORDS = (
+    "red running shoes for women with a breathable mesh upper stainless steel water bottle that keeps drinks "
+    "cold wireless headphones noise cancelling long battery life wooden desk lamp warm light adjustable arm "
+    "cotton t-shirt blue size medium machine washable leather wallet six card slots coin pocket price free "
+    "shipping stars reviews black backpack many pockets product matches query same colour shape"
+).split()
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def make_pairs(processor, n_queries: int, docs_per_query: int, text_tokens: int, jitter: float, side: int, seed: int):
+    """(query, doc) pairs: text-only queries, documents with text and one side x side image; each pair has
+    ``text_tokens`` +- ``jitter`` text tokens in all (prompt template and query included)."""
+    from PIL import Image
+
+    tokenizer = processor.tokenizer
+    collator = PairCollator(processor)
+
+    rng = torch.Generator().manual_seed(seed)
+
+    def text_of(n_tokens: int) -> str:
+        words, count = [], 0
+        while count < n_tokens:
+            chunk = [WORDS[int(i)] for i in torch.randint(len(WORDS), (32,), generator=rng)]
+            words += chunk
+            count = len(tokenizer(" ".join(words), add_special_tokens=False)["input_ids"])
+        text = " ".join(words)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:n_tokens]
+        return tokenizer.decode(ids)
+
+    pairs = []
+    for q in range(n_queries):
+        query = {"text": text_of(20), "image": None}
+        # text tokens of the prompt without document text: template, instruction, query, vision start/end
+        overhead = collator.prepare((query, {"text": "x", "image": None}))[2] + 1
+        for d in range(docs_per_query):
+            factor = 1 + (torch.rand((), generator=rng).item() * 2 - 1) * jitter
+            n_doc = max(8, int(round(text_tokens * factor)) - overhead)
+            pixels = (torch.rand(side, side, 3, generator=rng) * 255).to(torch.uint8).numpy()
+            doc = {"text": text_of(n_doc), "image": Image.fromarray(pixels)}
+            pairs.append((query, doc))
+    return pairs
+
+
+def build(tiny: bool, device: torch.device, dtype: torch.dtype, tiny_dir: str) -> LycheeReranker:
+    processor = load_processor(str(ensure_tiny(tiny_dir)))
+    tok = processor.tokenizer
+    ids = {
+        "image_token_id": tok.convert_tokens_to_ids("<|image_pad|>"),
+        "video_token_id": tok.convert_tokens_to_ids("<|video_pad|>"),
+        "vision_start_token_id": tok.convert_tokens_to_ids("<|vision_start|>"),
+        "vision_end_token_id": tok.convert_tokens_to_ids("<|vision_end|>"),
+    }
+    model = common.build_model(common.build_config(tiny=tiny, **ids), device, dtype)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    cfg = ModelConfig(name_or_path="random:qwen2.5-vl-7b", finetune="frozen")
+    reranker = LycheeReranker(model, processor, cfg, single_token_id(tok, "yes"), single_token_id(tok, "no"))
+    reranker.eval()
+    return reranker
+
+
+@torch.inference_mode()
+def naive_scores(reranker: LycheeReranker, pairs, batch_size: int = 8) -> list[float]:
+    """Batches of ``batch_size`` in input order, padded, full-vocabulary logits, p(yes) from the last position."""
+    collator = PairCollator(reranker.processor)
+    device = reranker.device
+    scores: list[float] = []
+    for start in range(0, len(pairs), batch_size):
+        batch = collator(pairs[start : start + batch_size])
+        inputs = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        logits = reranker.base_model(**inputs, use_cache=False, return_dict=True).logits
+        z = logits[:, -1, [reranker.yes_id, reranker.no_id]].float()
+        scores += torch.softmax(z, dim=-1)[:, 0].cpu().tolist()
+    return scores
+
+
+def instrument(collator) -> dict:
+    """Wrap ``prepare`` / ``encode`` of a collator instance with wall-clock timers."""
+    acc = {"prepare_s": 0.0, "encode_s": 0.0}
+    for name in ("prepare", "encode"):
+        original = getattr(collator, name)
+
+        def wrapped(*a, _orig=original, _key=f"{name}_s", **kw):
+            t0 = time.perf_counter()
+            try:
+                return _orig(*a, **kw)
+            finally:
+                acc[_key] += time.perf_counter() - t0
+
+        setattr(collator, name, wrapped)
+    return acc
+
+
+def timed(fn, device: torch.device):
+    common.sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    common.sync(device)
+    return out, time.perf_counter() - t0
+
+
+def rankings(scores: list[float], per_query: int) -> list[list[int]]:
+    return [sorted(range(per_query), key=lambda i: -scores[q + i]) for q in range(0, len(scores), per_query)]
+
+
+def compare(ref: list[float], other: list[float], per_query: int) -> dict:
+    import math
+
+    diffs = [abs(a - b) for a, b in zip(ref, other)]
+    logit = [math.log(max(p, 1e-12) / max(1 - p, 1e-12)) for p in ref]
+    logit_o = [math.log(max(p, 1e-12) / max(1 - p, 1e-12)) for p in other]
+    r1, r2 = rankings(ref, per_query), rankings(other, per_query)
+    same = sum(a == b for a, b in zip(r1, r2))
+    top1 = sum(a[0] == b[0] for a, b in zip(r1, r2))
+    # smallest gap between neighbouring scores of a query in the reference (how close the ties are)
+    gaps = []
+    for q in range(0, len(ref), per_query):
+        s = sorted(ref[q : q + per_query])
+        gaps += [b - a for a, b in zip(s[:-1], s[1:])]
+    # doc pairs ordered differently, and the largest reference logit gap among them
+    discordant, worst_gap = 0, 0.0
+    for q in range(0, len(ref), per_query):
+        for i in range(per_query):
+            for j in range(i + 1, per_query):
+                a = logit[q + i] - logit[q + j]
+                b = logit_o[q + i] - logit_o[q + j]
+                if a * b < 0 or (a == 0) != (b == 0):
+                    discordant += 1
+                    worst_gap = max(worst_gap, abs(a))
+    return {
+        "discordant_doc_pairs": discordant,
+        "doc_pairs": len(r1) * per_query * (per_query - 1) // 2,
+        "max_ref_logit_gap_of_discordant": worst_gap,
+        "max_abs_prob_diff": max(diffs),
+        "mean_abs_prob_diff": statistics.mean(diffs),
+        "max_abs_logit_diff": max(abs(a - b) for a, b in zip(logit, logit_o)),
+        "queries_same_ranking": same,
+        "queries_same_top1": top1,
+        "queries": len(r1),
+        "min_neighbour_gap_ref": min(gaps) if gaps else float("nan"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--queries", type=int, default=64)
+    parser.add_argument("--docs", type=int, default=8, help="documents per query")
+    parser.add_argument("--batch-size", type=int, default=32, help="the core's batch size")
+    parser.add_argument("--attribute", action="store_true", help="also time the core without the fast vision path")
+    parser.add_argument("--overlap", default="", help="extra batch sizes for the core scorer, e.g. 64,128")
+    parser.add_argument("--fast-check", type=int, default=64, help="pairs scored with and without the fast vision path")
+    parser.add_argument("--tiny-dir", default=None, help="where to build the tiny processor (default: a temp folder)")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    args = parser.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cpu" and not args.tiny:
+        parser.error("the 7B benchmark needs a CUDA GPU; use --tiny on a CPU")
+    env = common.environment(device)
+    log(f"env {json.dumps(env)}")
+    tiny_dir = args.tiny_dir or tempfile.mkdtemp(prefix="lychee_tiny_")
+    t0 = time.perf_counter()
+    reranker = build(args.tiny, device, dtype, tiny_dir)
+    log(f"model built in {time.perf_counter() - t0:.1f} s")
+
+    text_tokens, side = (120, 224) if args.tiny else (600, 448)
+    t0 = time.perf_counter()
+    pairs = make_pairs(reranker.processor, args.queries, args.docs, text_tokens, 0.5, side, args.seed)
+    lengths = [PairCollator(reranker.processor).prepare(p)[2] for p in pairs[:64]]
+    log(f"{len(pairs)} pairs made in {time.perf_counter() - t0:.1f} s; tokens/pair incl. image (first 64): mean "
+        f"{statistics.mean(lengths):.0f}, min {min(lengths)}, max {max(lengths)}")
+
+    warm = pairs[:16]
+    results = {}
+    # naive loop (stock path)
+    fast_vision.disable_fast_path(reranker)
+    naive_scores(reranker, warm)
+    common.reset_peak(device)
+    ref, secs = timed(lambda: naive_scores(reranker, pairs), device)
+    results["naive"] = {"pairs_per_s": len(pairs) / secs, "seconds": secs, "peak_gib": common.peak_gib(device),
+                        "label": "batch 8 in input order, padded, full logits, stock vision"}
+
+    variants = [("core-nofast", Reranker, args.batch_size, False)] if args.attribute else []
+    variants += [("core", Reranker, args.batch_size, True)]
+    for bs in [int(b) for b in args.overlap.split(",") if b.strip()]:
+        variants.append((f"core-b{bs}", Reranker, bs, True))
+    scores = {}
+    for name, cls, bs, fast in variants:
+        fast_vision.disable_fast_path(reranker)
+        if fast:
+            fast_vision.enable_fast_path(reranker)
+        scorer = cls(reranker, batch_size=bs)
+        scorer.score_pairs(warm)
+        phases = instrument(scorer.collator)
+        common.reset_peak(device)
+        scores[name], secs = timed(lambda: scorer.score_pairs(pairs), device)
+        results[name] = {"pairs_per_s": len(pairs) / secs, "seconds": secs, "peak_gib": common.peak_gib(device),
+                         "host_prepare_s": phases["prepare_s"], "host_encode_s": phases["encode_s"],
+                         "label": f"{cls.__name__}.score_pairs, batch {bs} length-sorted, last-position logits"
+                                  + (", fast vision" if fast else ", stock vision"),
+                         "vs_naive": compare(ref, scores[name], args.docs)}
+    if args.fast_check > 0:  # the fast vision path alone: same scorer, same batches, with and without it
+        sub = pairs[: args.fast_check]
+        fast_vision.disable_fast_path(reranker)
+        s_stock = Reranker(reranker, batch_size=args.batch_size).score_pairs(sub)
+        fast_vision.enable_fast_path(reranker)
+        s_fast = Reranker(reranker, batch_size=args.batch_size).score_pairs(sub)
+        results["fast_vs_stock_vision"] = compare(s_stock, s_fast, args.docs)
+
+    log("")
+    log(f"inference summary ({env.get('gpu')}, torch {env['torch']}, transformers {env['transformers']}), {len(pairs)} pairs")
+    for name, r in results.items():
+        if not isinstance(r, dict) or "pairs_per_s" not in r:
+            continue
+        extra = ""
+        if "vs_naive" in r:
+            c = r["vs_naive"]
+            extra = (f"  max |dp| {c['max_abs_prob_diff']:.2e}, max |dlogit| {c['max_abs_logit_diff']:.2e}, same ranking "
+                     f"{c['queries_same_ranking']}/{c['queries']} queries, same top-1 {c['queries_same_top1']}/{c['queries']}")
+        if "host_prepare_s" in r:
+            extra += f"; host prepare {r['host_prepare_s']:.1f} s, encode {r['host_encode_s']:.1f} s"
+        if "discordant_doc_pairs" in r.get("vs_naive", {}):
+            c = r["vs_naive"]
+            extra += (f"; discordant doc pairs {c['discordant_doc_pairs']}/{c['doc_pairs']}, largest naive logit gap among "
+                      f"them {c['max_ref_logit_gap_of_discordant']:.2e}")
+        log(f"{name:>12}: {r['pairs_per_s']:6.2f} pairs/s ({r['seconds']:.1f} s) peak {r['peak_gib']:.1f} GiB  {r['label']}{extra}")
+    if "fast_vs_stock_vision" in results:
+        c = results["fast_vs_stock_vision"]
+        log(f"fast vs stock vision path, same scorer, {args.fast_check} pairs: max |dp| {c['max_abs_prob_diff']:.2e}, "
+            f"same ranking {c['queries_same_ranking']}/{c['queries']} queries, discordant doc pairs {c['discordant_doc_pairs']}")
+    for name, r in list(results.items()):
+        if isinstance(r, dict) and "pairs_per_s" in r and name != "naive":
+            log(f"{name} / naive: {r['pairs_per_s'] / results['naive']['pairs_per_s']:.2f}x")
+    speedup = results["core"]["pairs_per_s"] / results["naive"]["pairs_per_s"]
+    results["ratio_core_over_naive"] = speedup
+    c = results["core"]["vs_naive"]
+    log(f"core / naive: {speedup:.2f}x; rankings identical for {c['queries_same_ranking']}/{c['queries']} queries "
+        f"(smallest neighbour gap in the naive scores {c['min_neighbour_gap_ref']:.2e})")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / ("inference_tiny.json" if args.tiny else "inference.json")).write_text(
+            json.dumps({"env": env, "results": results}, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

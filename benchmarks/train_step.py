@@ -1,0 +1,415 @@
+"""Training-step benchmark on the Qwen2.5-VL-7B architecture (random weights, bf16, LoRA r=16 on q/k/v/o).
+
+    PYTHONPATH=src python benchmarks/train_step.py            # on a CUDA GPU (the figures of docs/benchmarks.md)
+    PYTHONPATH=src python benchmarks/train_step.py --tiny     # the same code paths on a CPU, in seconds
+
+Inputs: groups of 8 pairs (1 positive + 7 negatives), ~600 text tokens +-25% and one 448x448 image
+(256 visual tokens) per pair, from a fixed seed; every variant sees the same groups in the same order.
+Variants (one process, one model; ``--variants`` picks):
+
+* ``a``  naive Hugging Face step: full forward with full-vocabulary logits, SDPA, activation
+         checkpointing on (every layer), listwise loss on yes-no at the last position;
+* ``b``  the same with checkpointing off;
+* ``c...`` the project's step: ``LycheeReranker.forward`` (yes/no logits of the last position only)
+         + ``listwise_loss`` + the fast vision path + checkpointing of ``K`` decoder layers.
+         Spelled ``c<K>`` (``c28``, ``c12``, ``c0``), ``cnv<K>`` = the same without the fast vision path
+         (to attribute the gains), ``cw<K>`` = batched windows only (no ``no_grad`` tower).
+
+Each step: forward, loss, backward, gradient clipping, AdamW step, zero_grad. Warm-up, then the median
+of ``--steps`` steps with CUDA synchronisation. Prints pairs/s, tokens/s, peak GiB, MFU (4 x LM params
+x tokens + 2 x vision params x patches over the bf16 matmul rate measured in this run) and the ratio
+of the project's step to (a). Checks the project step's loss (and LoRA gradients) against the naive
+path on the same inputs. Imports only torch, transformers, peft and lychee_pipeline.reranker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+from lychee_pipeline.reranker import fast_vision  # noqa: E402
+from lychee_pipeline.reranker.losses import listwise_loss  # noqa: E402
+from lychee_pipeline.reranker.model import (  # noqa: E402
+    LycheeReranker,
+    ModelConfig,
+    _apply_lora,
+    _freeze_vision,
+    enable_activation_checkpointing,
+)
+
+NON_MODEL_KEYS = ("labels", "group_size")
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# model
+
+
+def build_reranker(tiny: bool, device: torch.device, dtype: torch.dtype) -> LycheeReranker:
+    """The 7B architecture, random weights on ``device``, prepared as ``load_reranker`` prepares a
+    LoRA fine-tune (the project's own LoRA / freezing functions), wrapped in ``LycheeReranker``."""
+    cfg = ModelConfig(name_or_path="random:qwen2.5-vl-7b", finetune="lora", lora_r=16, lora_alpha=32, lora_dropout=0.05)
+    config = common.build_config(tiny=tiny)
+    model = common.build_model(config, device, dtype, attn_implementation=cfg.attn_implementation)
+    model = _apply_lora(model, cfg)
+    _freeze_vision(model)
+    reranker = LycheeReranker(model, processor=None, config=cfg, yes_id=common.YES_ID, no_id=common.NO_ID)
+    reranker.train(True)
+    return reranker
+
+
+def set_checkpointing(reranker: LycheeReranker, layers: int | None) -> int:
+    """``None``: the stock switch on every layer (as ``load_reranker`` does); ``K``: selective; ``0``: off."""
+    hf_model = reranker.base_model
+    if layers is None:
+        if getattr(hf_model, "_require_grads_hooks", None):
+            hf_model.disable_input_require_grads()  # do not stack hooks when switching back and forth
+        enable_activation_checkpointing(hf_model)
+        return len(fast_vision.decoder_layers(hf_model))
+    if layers == 0:
+        fast_vision.apply_selective_checkpointing(reranker, 0)
+        if hasattr(hf_model, "disable_input_require_grads") and getattr(hf_model, "_require_grads_hooks", None):
+            hf_model.disable_input_require_grads()  # a fresh model without checkpointing has no such hooks
+        return 0
+    return fast_vision.apply_selective_checkpointing(reranker, layers)
+
+
+def model_inputs(batch: dict) -> dict:
+    return {k: v for k, v in batch.items() if k not in NON_MODEL_KEYS}
+
+
+def naive_listwise(z: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Listwise (InfoNCE) loss on yes-no, positive first in each group (written out, not the project's)."""
+    scores = (z[:, 0] - z[:, 1]).view(-1, group_size)
+    return F.cross_entropy(scores, torch.zeros(scores.size(0), dtype=torch.long, device=scores.device))
+
+
+def naive_logits(reranker: LycheeReranker, batch: dict) -> torch.Tensor:
+    out = reranker.backbone(**model_inputs(batch), use_cache=False, return_dict=True)
+    return out.logits[:, -1, [reranker.yes_id, reranker.no_id]].float()
+
+
+def project_logits(reranker: LycheeReranker, batch: dict) -> torch.Tensor:
+    return reranker(**model_inputs(batch))
+
+
+# ----------------------------------------------------------------------------------------------
+# variants
+
+
+def parse_variant(name: str, num_layers: int) -> dict:
+    if name == "a":
+        return {"name": name, "forward": "naive", "fast": None, "ckpt": None, "label": "naive HF, checkpointing on"}
+    if name == "b":
+        return {"name": name, "forward": "naive", "fast": None, "ckpt": 0, "label": "naive HF, checkpointing off"}
+    for prefix, fast, what in (("cnv", None, "no fast vision"), ("cw", "windows", "batched windows only"), ("c", "all", "fast vision")):
+        if name.startswith(prefix) and name[len(prefix):].isdigit():
+            k = min(int(name[len(prefix):]), num_layers)
+            return {"name": name, "forward": "project", "fast": fast, "ckpt": k,
+                    "label": f"project step, {what}, {k}/{num_layers} layers checkpointed"}
+    raise ValueError(f"unknown variant {name!r}")
+
+
+def configure(reranker: LycheeReranker, spec: dict) -> None:
+    fast_vision.disable_fast_path(reranker)
+    if spec["fast"] == "all":
+        fast_vision.enable_fast_path(reranker)
+    elif spec["fast"] == "windows":
+        fast_vision.enable_fast_path(reranker, frozen_vision_no_grad=False)
+    set_checkpointing(reranker, spec["ckpt"])
+
+
+def make_step(reranker: LycheeReranker, spec: dict, groups: list, optimizer, trainable):
+    def step(i: int):
+        batch = groups[i % len(groups)]
+        if spec["forward"] == "naive":
+            loss = naive_listwise(naive_logits(reranker, batch), batch["group_size"])
+        else:
+            loss = listwise_loss(project_logits(reranker, batch), batch["group_size"], temperature=1.0)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+# ----------------------------------------------------------------------------------------------
+# checks
+
+
+@torch.no_grad()
+def check_losses(reranker: LycheeReranker, groups: list, spec: dict) -> dict:
+    """Eval-mode losses and yes-no scores: naive full-logits path vs the project step's path."""
+    was_training = reranker.training
+    reranker.eval()
+    out = {"loss_naive": [], "loss_project": [], "max_abs_score_diff": 0.0, "same_order": True}
+    for batch in groups:
+        configure(reranker, {"fast": None, "ckpt": 0})
+        zn = naive_logits(reranker, batch)
+        configure(reranker, spec)
+        zp = project_logits(reranker, batch)
+        g = batch["group_size"]
+        out["loss_naive"].append(float(naive_listwise(zn, g)))
+        out["loss_project"].append(float(listwise_loss(zp, g, temperature=1.0)))
+        sn, sp = zn[:, 0] - zn[:, 1], zp[:, 0] - zp[:, 1]
+        out["max_abs_score_diff"] = max(out["max_abs_score_diff"], float((sn - sp).abs().max()))
+        out["same_order"] &= bool(torch.equal(sn.argsort(descending=True), sp.argsort(descending=True)))
+    reranker.train(was_training)
+    out["max_abs_loss_diff"] = max(abs(a - b) for a, b in zip(out["loss_naive"], out["loss_project"]))
+    return out
+
+
+def lora_dropout_modules(reranker: LycheeReranker):
+    return [m for name, m in reranker.named_modules() if isinstance(m, torch.nn.Dropout) and "lora_dropout" in name]
+
+
+def check_grads(reranker: LycheeReranker, batch: dict, spec: dict, trainable) -> dict:
+    """LoRA gradients of one step, naive (checkpointing on) vs the project's step; LoRA dropout off."""
+    drops = lora_dropout_modules(reranker)
+    saved = [d.p for d in drops]
+    for d in drops:
+        d.p = 0.0
+    grads = {}
+    try:
+        for kind, variant in (("naive", {"fast": None, "ckpt": None}), ("project", spec)):
+            configure(reranker, variant)
+            for p in trainable:
+                p.grad = None
+            if kind == "naive":
+                loss = naive_listwise(naive_logits(reranker, batch), batch["group_size"])
+            else:
+                loss = listwise_loss(project_logits(reranker, batch), batch["group_size"], temperature=1.0)
+            loss.backward()
+            grads[kind] = (loss.item(), torch.cat([p.grad.float().reshape(-1) for p in trainable]))
+            for p in trainable:
+                p.grad = None
+    finally:
+        for d, p in zip(drops, saved):
+            d.p = p
+    gn, gp = grads["naive"][1], grads["project"][1]
+    return {
+        "loss_naive": grads["naive"][0],
+        "loss_project": grads["project"][0],
+        "grad_rel_diff": float((gn - gp).norm() / gn.norm().clamp_min(1e-30)),
+        "grad_cosine": float(F.cosine_similarity(gn, gp, dim=0)),
+    }
+
+
+@torch.no_grad()
+def vision_micro(reranker: LycheeReranker, batch: dict, device: torch.device, reps: int) -> dict:
+    """The vision tower alone on one group's images: stock path vs batched windows (no grad)."""
+    visual = reranker.base_model.model.visual
+    pixels, grid = batch["pixel_values"], batch["image_grid_thw"]
+    res = {}
+    outs = {}
+    for name, fast in (("stock", None), ("batched", "windows")):
+        configure(reranker, {"fast": fast, "ckpt": 0})
+        times = common.time_steps(lambda i: visual(pixels, grid_thw=grid), device, warmup=1, steps=reps)
+        outs[name] = visual(pixels, grid_thw=grid).pooler_output.float()
+        res[f"{name}_ms"] = statistics.median(times) * 1e3
+    a, b = outs["stock"], outs["batched"]
+    res["rel_diff"] = float((a - b).norm() / a.norm())
+    res["max_abs_diff"] = float((a - b).abs().max())
+    return res
+
+
+def profile_variant(reranker, spec, groups, optimizer, trainable, device, out_dir: Path | None, steps: int = 2) -> str:
+    """torch.profiler over ``steps`` steps; returns a short text summary (top kernels, totals)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    configure(reranker, spec)
+    step = make_step(reranker, spec, groups, optimizer, trainable)
+    step(0)
+    common.sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    t0 = time.perf_counter()
+    with profile(activities=activities, record_shapes=False) as prof:
+        for i in range(steps):
+            step(i + 1)
+        common.sync(device)
+    wall = time.perf_counter() - t0
+    from torch.autograd import DeviceType
+
+    events = prof.key_averages()
+    dev_attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA] if device.type == "cuda" else list(events)
+    total_dev = sum(getattr(e, dev_attr, 0.0) for e in kernels) / 1e3  # kernels only (ops would count twice)
+    total_cpu = sum(e.self_cpu_time_total for e in events if e.device_type == DeviceType.CPU) / 1e3
+    n_kernels = sum(e.count for e in kernels) if device.type == "cuda" else 0
+    sdpa = [e for e in events if e.key == "aten::scaled_dot_product_attention"]
+    mm_keys = ("gemm", "matmul", "sm90", "cutlass", "nvjet", "xmma", "cublas")
+    mm_dev = sum(getattr(e, dev_attr, 0.0) for e in kernels if any(k in e.key.lower() for k in mm_keys)) / 1e3
+    table = events.table(sort_by=dev_attr, row_limit=18, max_name_column_width=60)
+    summary = (
+        f"profile {spec['name']} ({spec['label']}): {steps} steps, wall {wall * 1e3:.0f} ms, "
+        f"self CPU {total_cpu:.0f} ms, self device {total_dev:.0f} ms (matmul kernels {mm_dev:.0f} ms, "
+        f"{100 * mm_dev / max(total_dev, 1e-9):.0f}%), SDPA calls {sum(e.count for e in sdpa)}, kernels {n_kernels}"
+    )
+    if out_dir is not None:
+        (out_dir / f"profile_{spec['name']}.txt").write_text(summary + "\n" + table + "\n")
+    return summary + "\n" + table
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny architecture, CPU-sized inputs")
+    parser.add_argument("--variants", default="a,b,c28,c16,c12", help="comma-separated: a, b, c<K>, cnv<K>, cw<K>")
+    parser.add_argument("--project", default=None,
+                        help="the variant reported as (c) (default: the fastest c<K> within --max-peak-gib)")
+    parser.add_argument("--groups", type=int, default=12, help="distinct input groups (cycled)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--profile", default="", help="comma-separated variants to profile (2 steps each)")
+    parser.add_argument("--vision-micro", type=int, default=5, help="repetitions of the vision-tower timing (0: skip)")
+    parser.add_argument("--check-groups", type=int, default=2, help="groups for the loss check (0: skip)")
+    parser.add_argument("--no-grad-check", action="store_true")
+    parser.add_argument("--max-peak-gib", type=float, default=40.0)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    args = parser.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cpu" and not args.tiny:
+        parser.error("the 7B benchmark needs a CUDA GPU; use --tiny on a CPU")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    env = common.environment(device)
+    log(f"env {json.dumps(env)}")
+    tflops = common.matmul_tflops(device)
+    log(f"matmul rate: {tflops:.0f} TFLOP/s ({'bf16 8192^3' if device.type == 'cuda' else 'fp32 512^3, CPU'})")
+
+    t0 = time.perf_counter()
+    reranker = build_reranker(args.tiny, device, dtype)
+    n_lm, n_vis, n_total = common.count_params(reranker)
+    trainable = [p for p in reranker.parameters() if p.requires_grad]
+    n_train = sum(p.numel() for p in trainable)
+    num_layers = len(fast_vision.decoder_layers(reranker))
+    log(f"model built in {time.perf_counter() - t0:.1f} s: LM {n_lm / 1e9:.3f}B, vision {n_vis / 1e9:.3f}B, "
+        f"total {n_total / 1e9:.3f}B, LoRA trainable {n_train / 1e6:.2f}M, {num_layers} decoder layers")
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0)
+
+    shape = common.Shape.tiny() if args.tiny else common.Shape()
+    groups_cpu = [common.synthetic_group(shape, seed=args.seed + i) for i in range(args.groups)]
+    groups = [common.to_device(g, device) for g in groups_cpu]
+    stats = [common.batch_stats(g) for g in groups_cpu]
+    tok_per_group = statistics.mean(s["tokens"] for s in stats)
+    pad_frac = 1 - sum(s["tokens"] for s in stats) / sum(s["padded_tokens"] for s in stats)
+    log(f"inputs: {args.groups} groups x {shape.group_size} pairs, {tok_per_group / shape.group_size:.0f} tokens/pair "
+        f"(real), padding {100 * pad_frac:.1f}% of the padded batch, {stats[0]['patches'] // shape.group_size} patches/image")
+
+    specs = [parse_variant(v.strip(), num_layers) for v in args.variants.split(",") if v.strip()]
+    c_specs = [s for s in specs if s["forward"] == "project"]
+    project_name = args.project or (c_specs[-1]["name"] if c_specs else None)
+
+    profiles = {p.strip() for p in args.profile.split(",") if p.strip()}
+    # the loss / gradient checks use groups no step has trained on
+    check_groups = [common.to_device(common.synthetic_group(shape, seed=args.seed + 10_000 + i), device)
+                    for i in range(max(args.check_groups, 1))]
+    results = {}
+    if args.vision_micro > 0:
+        vm = vision_micro(reranker, groups[0], device, args.vision_micro)
+        results["vision_micro"] = vm
+        log(f"vision tower, {shape.group_size} images: stock {vm['stock_ms']:.1f} ms, batched windows {vm['batched_ms']:.1f} ms "
+            f"(x{vm['stock_ms'] / vm['batched_ms']:.2f}); rel diff {vm['rel_diff']:.2e}, max abs {vm['max_abs_diff']:.2e}")
+
+    for spec in specs:
+        configure(reranker, spec)
+        common.reset_peak(device)
+        step = make_step(reranker, spec, groups, optimizer, trainable)
+        try:
+            times = common.time_steps(step, device, args.warmup, args.steps)
+        except torch.OutOfMemoryError as exc:  # pragma: no cover - GPU only
+            log(f"{spec['name']}: out of memory ({exc})")
+            optimizer.zero_grad(set_to_none=True)
+            common.reset_peak(device)
+            continue
+        med = statistics.median(times)
+        pairs = shape.group_size / med
+        tokens = tok_per_group / med
+        useful = (4 * n_lm * tok_per_group + 2 * n_vis * stats[0]["patches"]) / med
+        r = {
+            "label": spec["label"], "median_s": med, "min_s": min(times), "max_s": max(times),
+            "pairs_per_s": pairs, "tokens_per_s": tokens, "peak_gib": common.peak_gib(device),
+            "mfu": common.mfu(useful, tflops), "steps": len(times),
+        }
+        results[spec["name"]] = r
+        log(f"{spec['name']:>6}: {pairs:6.2f} pairs/s {tokens:8.0f} tok/s peak {r['peak_gib']:6.1f} GiB "
+            f"MFU {100 * r['mfu']:5.1f}%  step {med * 1e3:.0f} ms [{min(times) * 1e3:.0f}-{max(times) * 1e3:.0f}]  {spec['label']}")
+        optimizer.zero_grad(set_to_none=True)
+        if spec["name"] in profiles:  # right after its timing, in the same configuration
+            log(profile_variant(reranker, spec, groups, optimizer, trainable, device, args.out))
+
+    if args.project is None:  # the fastest project step (fast vision) within the memory limit
+        fits = [(r["pairs_per_s"], n) for n, r in results.items() if isinstance(r, dict) and "pairs_per_s" in r
+                and n.startswith("c") and n[1:].isdigit() and (r["peak_gib"] <= args.max_peak_gib or device.type != "cuda")]
+        if fits:
+            project_name = max(fits)[1]
+    if project_name is not None:
+        spec = parse_variant(project_name, num_layers)
+        if args.check_groups > 0:
+            chk = check_losses(reranker, check_groups[: args.check_groups], spec)
+            results["check_losses"] = chk
+            log(f"loss check ({project_name} vs naive, eval mode, unseen groups): naive {['%.5f' % x for x in chk['loss_naive']]} "
+                f"project {['%.5f' % x for x in chk['loss_project']]} max |diff| {chk['max_abs_loss_diff']:.2e}, "
+                f"max |score diff| {chk['max_abs_score_diff']:.2e}, same ranking {chk['same_order']}")
+        if not args.no_grad_check:
+            common.reset_peak(device)
+            gc = check_grads(reranker, check_groups[0], spec, trainable)
+            results["check_grads"] = gc
+            log(f"grad check ({project_name} vs naive with checkpointing, LoRA dropout off, unseen group): loss {gc['loss_naive']:.5f} vs "
+                f"{gc['loss_project']:.5f}, LoRA grad rel diff {gc['grad_rel_diff']:.2e}, cosine {gc['grad_cosine']:.6f}")
+
+    # per-layer activation memory, from the c<K> runs (peak = fixed + slope * kept layers)
+    ks = sorted((parse_variant(n, num_layers)["ckpt"], r["peak_gib"]) for n, r in results.items()
+                if n.startswith("c") and n[1:].isdigit() and isinstance(r, dict) and "peak_gib" in r)
+    if len(ks) >= 2 and device.type == "cuda":
+        (k1, p1), (k2, p2) = ks[0], ks[-1]
+        slope = (p1 - p2) / (k2 - k1)  # GiB per layer that keeps its activations
+        per_tok = slope * 2**30 / (shape.group_size * max(int(g["attention_mask"].shape[1]) for g in groups_cpu))
+        results["memory_model"] = {"gib_per_kept_layer": slope, "bytes_per_padded_token_per_kept_layer": per_tok,
+                                   "peak_all_checkpointed_gib": p2 if k2 == num_layers else None}
+        log(f"memory: {slope:.2f} GiB per decoder layer that keeps its activations "
+            f"(~{per_tok / 1024:.0f} KiB per padded token per layer)")
+
+    log("")
+    log(f"summary ({env.get('gpu')}, torch {env['torch']}, transformers {env['transformers']}, matmul {tflops:.0f} TFLOP/s)")
+    log(f"{'variant':>7} {'pairs/s':>8} {'tok/s':>8} {'peak GiB':>9} {'MFU':>6}  what")
+    for name, r in results.items():
+        if isinstance(r, dict) and "pairs_per_s" in r:
+            log(f"{name:>7} {r['pairs_per_s']:8.2f} {r['tokens_per_s']:8.0f} {r['peak_gib']:9.1f} {100 * r['mfu']:5.1f}%  {r['label']}")
+    if project_name in results and "a" in results:
+        ratio = results[project_name]["pairs_per_s"] / results["a"]["pairs_per_s"]
+        results["ratio_c_over_a"] = ratio
+        ok_mem = results[project_name]["peak_gib"] <= args.max_peak_gib or device.type != "cuda"
+        log(f"(c) = {project_name}: {ratio:.2f}x (a) in pairs/s; peak {results[project_name]['peak_gib']:.1f} GiB "
+            f"({'within' if ok_mem else 'OVER'} {args.max_peak_gib:.0f} GiB)")
+    if args.out is not None:
+        (args.out / ("train_step_tiny.json" if args.tiny else "train_step.json")).write_text(
+            json.dumps({"env": env, "matmul_tflops": tflops, "results": results}, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

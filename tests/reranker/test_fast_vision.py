@@ -1,0 +1,192 @@
+"""The fast path (batched vision windows, frozen tower without autograd, selective checkpointing)
+computes the same numbers as the stock Hugging Face path: fp32, on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from lychee_pipeline.reranker import fast_vision
+from lychee_pipeline.reranker.collate import GroupCollator
+from lychee_pipeline.reranker.losses import listwise_loss, pointwise_loss
+from lychee_pipeline.reranker.model import enable_activation_checkpointing
+
+
+def _tiny_vision(depth: int = 4):
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    config = Qwen2_5_VLConfig(
+        text_config={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+                     "intermediate_size": 64, "vocab_size": 256,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}},
+        vision_config={"depth": depth, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                       "out_hidden_size": 32, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                       "window_size": 112, "fullatt_block_indexes": [1, depth - 1]},
+    )
+    vc = config.vision_config
+    vc._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = Qwen2_5_VisionTransformerPretrainedModel._from_config(vc, attn_implementation="sdpa").float().eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def _pixels(grids, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(t * h * w for t, h, w in grids)
+    return torch.randn(n, 3 * 2 * 14 * 14, generator=gen), torch.tensor(grids, dtype=torch.long)
+
+
+def test_segment_plan_groups_by_length():
+    # windows of 64, 64, 32, 64, 32 rows, then one image of 100 rows
+    cu = torch.tensor([0, 64, 128, 160, 224, 256, 356], dtype=torch.int32)
+    plan = fast_vision.segment_plan(cu)
+    by_len = {g.length: g for g in plan}
+    assert set(by_len) == {64, 32, 100}
+    g64 = by_len[64]
+    assert g64.count == 3 and g64.start is None  # 0, 64, 160: not one run -> gathered
+    assert g64.index.tolist() == list(range(0, 128)) + list(range(160, 224))
+    assert by_len[32].count == 2 and by_len[32].index.tolist() == list(range(128, 160)) + list(range(224, 256))
+    assert by_len[100].start == 256 and by_len[100].index is None
+    assert fast_vision.segment_plan(cu) is plan  # cached on the tensor
+
+
+@pytest.mark.parametrize(
+    "grids",
+    [
+        [[1, 32, 32]] * 3,  # 448x448 images: 16 windows of 64 patches each, one attention call
+        [[1, 16, 16], [1, 12, 20], [1, 10, 6], [1, 8, 8], [1, 2, 2]],  # uneven windows: several lengths, gathered
+    ],
+)
+def test_batched_windows_equal_stock_vision_tower(grids):
+    model = _tiny_vision()
+    pixels, grid = _pixels(grids)
+    with torch.no_grad():
+        stock = model(pixels, grid_thw=grid)
+    handle = fast_vision.enable_fast_path(model)
+    assert len(handle.attention_modules) == 4 and len(handle.vision_towers) == 1
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return sdpa(*args, **kwargs)
+
+    torch.nn.functional.scaled_dot_product_attention = counting
+    try:
+        fast = model(pixels, grid_thw=grid)
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+    torch.testing.assert_close(fast.pooler_output, stock.pooler_output, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fast.last_hidden_state, stock.last_hidden_state, rtol=1e-6, atol=1e-6)
+    assert not fast.pooler_output.requires_grad  # frozen tower ran without autograd
+    if len(grids) == 3:
+        # 2 window layers x 1 call (48 windows) + 2 full layers x 1 call (3 images), instead of 2 x 48 + 2 x 3
+        assert calls == [48, 3, 48, 3]
+    handle.disable()
+    assert "forward" not in model.blocks[0].attn.__dict__ and "forward" not in model.__dict__
+
+
+def test_fast_path_keeps_autograd_when_vision_trains():
+    model = _tiny_vision(depth=2)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    pixels, grid = _pixels([[1, 16, 16], [1, 12, 8]], seed=1)
+    stock = model(pixels, grid_thw=grid).pooler_output
+    stock.square().sum().backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    fast_vision.enable_fast_path(model)
+    fast = model(pixels, grid_thw=grid).pooler_output
+    assert fast.requires_grad
+    fast.square().sum().backward()
+    torch.testing.assert_close(fast, stock, rtol=1e-6, atol=1e-6)
+    for g, r in zip((p.grad for p in model.parameters()), ref):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+def _rows(tmp_path, n_groups=2, group_size=4):
+    gen = torch.Generator().manual_seed(3)
+    sizes = [(224, 224), (168, 280), (112, 112), (196, 140)]
+    rows = []
+    for r in range(n_groups):
+        docs = []
+        for d in range(group_size):
+            w, h = sizes[(r + d) % len(sizes)]
+            path = tmp_path / f"img_{r}_{d}.png"
+            Image.fromarray((torch.rand(h, w, 3, generator=gen) * 255).to(torch.uint8).numpy()).save(path)
+            docs.append({"doc_id": f"d{r}{d}", "text": f"document {d} of query {r}, red shoes " * (1 + d),
+                         "image": str(path), "meta": "{}", "hard": True})
+        rows.append({"record_id": f"r{r}", "query": {"text": f"query {r}: red running shoes", "image": None},
+                     "positives": docs[:1], "negatives": docs[1:], "task_type": "t2it", "language": "en"})
+    return rows
+
+
+@pytest.mark.parametrize("loss_name", ["listwise", "pointwise"])
+def test_fast_training_step_matches_stock_on_builtin_tiny(make_model, tmp_path, loss_name):
+    """The project's step with the fast path + selective checkpointing = the stock step with full checkpointing."""
+    model = make_model(finetune="lora", lora_dropout=0.0, fast_path=False)  # stock first, fast path below
+    collator = GroupCollator(model.processor, group_size=4)
+    batch = collator(_rows(tmp_path))
+    labels, group_size = batch.pop("labels"), batch.pop("group_size")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    with torch.no_grad():  # non-zero LoRA B, so every LoRA matrix gets a gradient
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        logits = model(**batch)
+        loss = listwise_loss(logits, group_size) if loss_name == "listwise" else pointwise_loss(logits, labels)
+        loss.backward()
+        return loss.detach(), logits.detach(), [p.grad.clone() for p in trainable]
+
+    model.train()
+    enable_activation_checkpointing(model.base_model)
+    loss_ref, logits_ref, grads_ref = step()
+
+    handle = fast_vision.enable_fast_path(model)
+    assert handle.attention_modules and handle.vision_towers
+    k = fast_vision.apply_selective_checkpointing(model, layers=1)
+    assert k == 1
+    flags = [layer.gradient_checkpointing for layer in fast_vision.decoder_layers(model)]
+    assert flags == [True] + [False] * (len(flags) - 1)
+    loss_fast, logits_fast, grads_fast = step()
+
+    torch.testing.assert_close(logits_fast, logits_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss_fast, loss_ref, rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads_fast, grads_ref):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+
+    # the stock forward (full logits) gives the same yes/no logits with the fast path on
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch), model.full_logits(**batch), rtol=1e-4, atol=1e-4)
+    handle.disable()
+
+
+def test_selective_checkpointing_counts(make_model):
+    model = make_model(finetune="lora")
+    n = len(fast_vision.decoder_layers(model))
+    assert fast_vision.apply_selective_checkpointing(model, layers=None) == n
+    assert fast_vision.apply_selective_checkpointing(model, layers=0.5) == (n + 1) // 2
+    assert fast_vision.apply_selective_checkpointing(model, layers=0) == 0
+    assert not any(layer.gradient_checkpointing for layer in fast_vision.decoder_layers(model))
+    with pytest.raises(ValueError):
+        fast_vision.apply_selective_checkpointing(model, layers=1.5)
+
+
+def test_checkpoint_layers_for_budget():
+    gib = 2**30
+    # 28 layers, 8000 tokens, 1 MiB... per token-layer of activations -> each kept layer costs ~7.8 GiB/8
+    per = 128 * 1024  # bytes per token per kept layer
+    k = fast_vision.checkpoint_layers_for_budget(28, 8000, 40 * gib, 20 * gib, per, 8 * 1024)
+    kept = 28 - k
+    assert 20 * gib + 8000 * (kept * per + k * 8 * 1024) <= 40 * gib
+    assert 20 * gib + 8000 * ((kept + 1) * per + (k - 1) * 8 * 1024) > 40 * gib
+    assert fast_vision.checkpoint_layers_for_budget(28, 10, 40 * gib, 1 * gib, per) == 0
+    assert fast_vision.checkpoint_layers_for_budget(28, 10**7, 40 * gib, 1 * gib, per) == 28
