@@ -119,3 +119,13 @@ def data_bad_corpus(tmp_path: Path) -> dict[str, Any]:
         "quarantined": quarantined, "modes": modes, "clean_ok": clean_ok,
         "source": {"files": [str(jsonl)], "image_roots": [str(root)], "demo": False},
     }
+
+
+@pytest.fixture(scope="session")
+def smoke_project(tmp_path_factory) -> Path:
+    """A project copy after a full `kedro run --pipeline smoke` on the demo data (shared by several tests)."""
+    from project_runs import make_project_copy, run_kedro
+
+    root = make_project_copy(tmp_path_factory.mktemp("smoke_project"))
+    run_kedro(root, "smoke")
+    return root

@@ -17,6 +17,11 @@ def _atomic_target(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
+def _discard(tmp: Path) -> None:
+    """Drop a half-written temporary file (disk full, interrupted): the previous output stays as it was."""
+    tmp.unlink(missing_ok=True)
+
+
 class ArrowTableDataset(AbstractDataset[pa.Table, pa.Table]):
     """A ``pyarrow.Table`` stored as one Parquet file (memory-mapped on load, atomic on save).
 
@@ -51,8 +56,12 @@ class ArrowTableDataset(AbstractDataset[pa.Table, pa.Table]):
         if not isinstance(data, pa.Table):
             raise DatasetError(f"ArrowTableDataset saves a pyarrow.Table, got {type(data).__name__}")
         tmp = _atomic_target(self._filepath)
-        pq.write_table(data, tmp, **self._save_args)
-        os.replace(tmp, self._filepath)
+        try:
+            pq.write_table(data, tmp, **self._save_args)
+            os.replace(tmp, self._filepath)
+        except BaseException:
+            _discard(tmp)
+            raise
 
     def _exists(self) -> bool:
         return self._filepath.exists()
@@ -78,10 +87,14 @@ class JSONLinesDataset(AbstractDataset[list[dict[str, Any]], list[dict[str, Any]
     def save(self, data: list[dict[str, Any]]) -> None:
         """Write one JSON object per line."""
         tmp = _atomic_target(self._filepath)
-        with tmp.open("w", encoding="utf-8") as handle:
-            for row in data:
-                handle.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.replace(tmp, self._filepath)
+        try:
+            with tmp.open("w", encoding="utf-8") as handle:
+                for row in data:
+                    handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+            os.replace(tmp, self._filepath)
+        except BaseException:
+            _discard(tmp)
+            raise
 
     def _exists(self) -> bool:
         return self._filepath.exists()

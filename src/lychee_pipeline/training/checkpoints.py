@@ -28,12 +28,47 @@ def staging_dir(root: Path, step: int) -> Path:
     return root / f".{PREFIX}{step}.partial"
 
 
+def file_digests(folder: Path, skip: str | None = MANIFEST) -> dict[str, str]:
+    """sha256 of every file under `folder` (relative names), the manifest itself excepted."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != skip)
+    return {str(p.relative_to(folder)): sha256_file(p) for p in files}
+
+
+def verify_files(folder: Path, recorded: dict[str, str]) -> str | None:
+    """None if every recorded file is there with its checksum, else the first problem."""
+    if not recorded:
+        return "empty manifest"
+    for name, digest in recorded.items():
+        path = folder / name
+        if not path.is_file():
+            return f"missing file {name}"
+        if sha256_file(path) != digest:
+            return f"checksum mismatch in {name}"
+    return None
+
+
+def write_folder_manifest(folder: Path, manifest: Path) -> None:
+    """Record the checksums of a finished output folder (the adapter) in `manifest`, atomically."""
+    tmp = manifest.with_name(manifest.name + ".tmp")
+    tmp.write_text(json.dumps({"folder": folder.name, "files": file_digests(folder, skip=None)}, indent=1))
+    os.replace(tmp, manifest)
+
+
+def verify_folder(folder: Path, manifest: Path) -> str | None:
+    """None if `folder` matches the checksums in `manifest`, else why it cannot be reused."""
+    if not manifest.is_file():
+        return f"no manifest {manifest.name}"
+    try:
+        recorded = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"unreadable manifest {manifest.name}: {exc}"
+    return verify_files(folder, recorded)
+
+
 def publish(root: Path, step: int, state: dict) -> Path:
     """Write the manifest (checksums + trainer state) and rename the staging folder into place."""
     tmp = staging_dir(root, step)
-    files = {
-        str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file() and p.name != MANIFEST
-    }
+    files = file_digests(tmp)
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "state": state, "files": files}, indent=1))
     final = root / f"{PREFIX}{step}"
     if final.exists():
@@ -49,15 +84,9 @@ def verify(checkpoint: Path) -> str | None:
         return "no manifest (write interrupted)"
     try:
         recorded = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError) as exc:
+    except (ValueError, KeyError, TypeError) as exc:
         return f"unreadable manifest: {exc}"
-    for name, digest in recorded.items():
-        path = checkpoint / name
-        if not path.is_file():
-            return f"missing file {name}"
-        if sha256_file(path) != digest:
-            return f"checksum mismatch in {name}"
-    return None
+    return verify_files(checkpoint, recorded)
 
 
 def _step_of(path: Path) -> int:

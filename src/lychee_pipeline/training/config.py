@@ -23,6 +23,7 @@ class ModelParams(_Strict):
     finetune: Literal["lora", "qlora", "full", "frozen"] = "lora"
     lora: LoraParams = LoraParams()
     activation_checkpointing: bool = False
+    checkpoint_layers: int | float | None = None  # decoder layers checkpointed (None = all; 17 of 28 fits 40 GiB)
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
     fast_path: bool = True
@@ -66,6 +67,7 @@ class TrainingParams(_Strict):
     checkpoint_every: PositiveInt = 200
     keep_last: PositiveInt = 2
     resume: bool = False
+    reuse_finished: bool = True  # a re-run returns a finished stage's result when its spec and adapter are unchanged
     log_every: PositiveInt = 1
     launch: LaunchParams = LaunchParams()
 

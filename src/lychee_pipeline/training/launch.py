@@ -25,7 +25,9 @@ import yaml
 
 log = logging.getLogger(__name__)
 
-RANK_PREFIX = re.compile(r"^\[(?:default)?(\d+)\]:|^\[rank (\d+)\]")
+RANK_PREFIX = re.compile(r"^\[default(\d+)\]:|^\[rank (\d+)\]")  # torchrun's --tee prefix, or our log format
+# Library warnings would push a rank's real last words out of the few lines a failure quotes.
+NOISE = re.compile(r"(Warning: |^\s*warnings\.warn\()")
 
 
 class StageFailed(RuntimeError):
@@ -149,7 +151,8 @@ def run_stage(
                 line = line.rstrip()
                 match = RANK_PREFIX.match(line)
                 rank = next((g for g in match.groups() if g is not None), None) if match else None
-                last_lines[f"rank {rank}" if rank is not None else "launcher"].append(line)
+                if not NOISE.search(line[match.end():] if match else line):
+                    last_lines[f"rank {rank}" if rank is not None else "launcher"].append(line)
                 if line:
                     log.info("%s", line)
 
@@ -173,6 +176,9 @@ def run_stage(
     result_path = stage_dir / "result.json"
     if timed_out or process.returncode != 0 or not result_path.is_file():
         why = f"timed out after {launch['timeout_s']} s" if timed_out else f"exited with code {process.returncode}"
+        if config["num_processes"] > 1:  # name every rank, also one that died before it said anything
+            for rank in range(config["num_processes"]):
+                last_lines.setdefault(f"rank {rank}", collections.deque(["(no output)"]))
         tails = "\n".join(
             f"  {who}:\n" + "\n".join(f"    {line}" for line in lines) for who, lines in sorted(last_lines.items())
         )

@@ -32,6 +32,8 @@ from lychee_pipeline.training import checkpoints
 
 log = logging.getLogger("lychee_pipeline.training.train")
 
+ADAPTER_MANIFEST = "adapter.manifest.json"
+
 
 class EpochPermutation(Sampler[int]):
     """A fresh permutation of the records each epoch, from (seed, epoch) only, so a resumed run sees the same order."""
@@ -64,7 +66,11 @@ def replica_fingerprint(model: torch.nn.Module) -> torch.Tensor:
 
 
 def fault_point(name: str) -> None:
-    """Fault injection for the reliability tests: LYCHEE_FAULT=<name> kills this process (SIGKILL) here."""
+    """Fault injection for the reliability tests: LYCHEE_FAULT=<name> kills this process (SIGKILL) here.
+
+    Points: `after_step_<n>`, `during_checkpoint` (any checkpoint) / `during_checkpoint_<step>` (after
+    save_state, before publish); LYCHEE_FAULT_RANK picks the rank (default 0). `nan_loss` is read in the loop.
+    """
     if os.environ.get("LYCHEE_FAULT") == name and os.environ.get("LYCHEE_FAULT_RANK", "0") == os.environ.get("RANK", "0"):
         os.kill(os.getpid(), 9)
 
@@ -84,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         format=f"[rank {accelerator.process_index}] %(message)s",
         stream=sys.stdout,
     )
+    # One line from every rank, so a failed stage can quote each rank's last words (others log warnings only).
+    print(f"[rank {accelerator.process_index}] started: pid {os.getpid()}, {accelerator.num_processes} process(es), "
+          f"device {accelerator.device}", flush=True)
     if accelerator.device.type == "cpu":
         torch.set_num_threads(train["launch"]["threads_per_process"])
     set_seed(train["seed"], device_specific=False)
@@ -136,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         for note in skipped:
             log.warning("skipping checkpoint %s", note)
         if found is not None:
-            accelerator.load_state(str(found))
+            # Our own files, verified by sha256 above; tensors only (no arbitrary pickled objects).
+            accelerator.load_state(str(found), load_kwargs={"weights_only": True})
             step, losses = state["step"], state["losses"]
             log.info("resumed from %s at step %d", found, step)
 
@@ -219,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     if accelerator.is_main_process:
         adapter_dir = out_dir / "adapter"
         accelerator.unwrap_model(model).save_pretrained(adapter_dir)
+        # sha256 of every adapter file: a re-run reuses this stage only while they still match.
+        checkpoints.write_folder_manifest(adapter_dir, out_dir / ADAPTER_MANIFEST)
         wall = time.perf_counter() - started
         result = {
             "stage": spec["stage"],
@@ -235,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             "replica_max_diff": replica_diff,
             "truncation": collator.stats.as_dict(),
             "adapter_dir": str(adapter_dir),
+            "adapter_manifest": str(out_dir / ADAPTER_MANIFEST),
+            "spec_hash": spec.get("spec_hash"),
             "mlflow_run_id": tracker.run_id,
             "tracking_failures": tracker.failures,
         }
@@ -257,6 +271,7 @@ def save_checkpoint(accelerator: Accelerator, root: Path, step: int, state: dict
     tmp = checkpoints.staging_dir(root, step)
     accelerator.save_state(str(tmp))
     fault_point("during_checkpoint")
+    fault_point(f"during_checkpoint_{step}")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         checkpoints.publish(root, step, state)

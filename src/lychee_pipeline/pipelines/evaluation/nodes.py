@@ -175,6 +175,8 @@ def score_test_set(
     """
     seed = int(evaluation.get("seed", 0))
     queries = candidate_table(test_records, seed)
+    if evaluation.get("max_queries"):  # a deterministic slice (the smoke run's "small test slice")
+        queries = queries[: int(evaluation["max_queries"])]
     options = dict(evaluation.get("reranker") or {})
     if evaluation.get("instructions"):
         options["instructions"] = evaluation["instructions"]

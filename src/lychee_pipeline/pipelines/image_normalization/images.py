@@ -9,7 +9,10 @@ from typing import Any
 
 from PIL import Image
 
-Image.MAX_IMAGE_PIXELS = None  # the pixel limit is checked here, against the configured parameter
+# PIL's decompression-bomb guard (Image.MAX_IMAGE_PIXELS) stays on for the whole process (the reranker's
+# image loading relies on it); check_image applies the configured, usually lower, max_pixels on top, from the
+# header, before anything is decoded. Only a max_pixels above PIL's limit raises that limit.
+MAX_ASPECT_RATIO = 200  # the Qwen2.5-VL processor refuses longer/shorter sides beyond 200:1
 
 
 class Resolver:
@@ -50,8 +53,12 @@ def stat_key(path: str) -> tuple[int, int] | None:
     return st.st_size, st.st_mtime_ns
 
 
-def check_image(path: str, max_pixels: int) -> dict[str, Any]:
-    """Open, verify and fully decode one image; return its manifest row (ok, reason, size, format, mode)."""
+def check_image(path: str, max_pixels: int, max_aspect_ratio: float = MAX_ASPECT_RATIO) -> dict[str, Any]:
+    """Open, verify and fully decode one image; return its manifest row (ok, reason, size, format, mode).
+
+    Refused from the header alone (bounded memory): more than `max_pixels` pixels (decompression bombs), or
+    an aspect ratio beyond `max_aspect_ratio` (the model's processor cannot resize those).
+    """
     row: dict[str, Any] = {"path": path, "ok": False, "reason": None, "width": None, "height": None,
                            "format": None, "mode": None, "frames": None, "size_bytes": None,
                            "mtime_ns": None, "max_pixels": max_pixels}
@@ -63,20 +70,30 @@ def check_image(path: str, max_pixels: int) -> dict[str, Any]:
     if key[0] == 0:
         row["reason"] = "zero-byte file"
         return row
+    if Image.MAX_IMAGE_PIXELS is not None and max_pixels > Image.MAX_IMAGE_PIXELS:
+        Image.MAX_IMAGE_PIXELS = max_pixels  # the configured limit is the higher one: PIL's guard follows it
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            # PIL's own bomb warning: our max_pixels check below decides (and names the size)
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(path) as image:
                 row.update(width=image.width, height=image.height, format=image.format, mode=image.mode,
                            frames=int(getattr(image, "n_frames", 1)))
                 if image.width * image.height > max_pixels:
                     row["reason"] = f"too many pixels: {image.width}x{image.height} > {max_pixels}"
                     return row
+                ratio = max(image.width, image.height) / max(1, min(image.width, image.height))
+                if ratio > max_aspect_ratio:
+                    row["reason"] = f"aspect ratio too extreme: {image.width}x{image.height} > {max_aspect_ratio:g}:1"
+                    return row
                 image.verify()
             with Image.open(path) as image:
                 image.load()
     except Image.UnidentifiedImageError:
         row["reason"] = "not a decodable image"
+        return row
+    except Image.DecompressionBombError as error:  # beyond PIL's hard limit: refused while reading the header
+        row["reason"] = f"too many pixels: {error}"
         return row
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, EOFError) as error:
         row["reason"] = f"corrupt image: {error}"

@@ -11,7 +11,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from tqdm.auto import tqdm
 
-from lychee_pipeline.pipelines.image_normalization.images import Resolver, check_image, check_image_task, stat_key
+from lychee_pipeline.pipelines.image_normalization.images import (
+    MAX_ASPECT_RATIO,
+    Resolver,
+    check_image,
+    check_image_task,
+    stat_key,
+)
 from lychee_pipeline.schema import MANIFEST_SCHEMA, MODEL_INPUT_SCHEMA, QUARANTINE_SCHEMA, REMOVED_NEGATIVE_SCHEMA
 
 logger = logging.getLogger(__name__)
@@ -37,6 +43,7 @@ def check_images(
     """Verify each unique resolved image once (in a process pool), reusing unchanged rows of the previous manifest."""
     max_pixels = int(image_check.get("max_pixels", 50_000_000))
     workers = int(image_check.get("workers", 2))
+    max_ratio = float(image_check.get("max_aspect_ratio", MAX_ASPECT_RATIO))
     resolver = Resolver(raw_source["image_roots"])
     paths = sorted({p for p in (resolver.resolve(r)[0] for r in image_refs(ingested_records)) if p})
     previous: dict[str, dict[str, Any]] = {}
@@ -57,12 +64,12 @@ def check_images(
     if workers > 1 and len(todo) > 64:
         # spawn: workers start small instead of inheriting a copy of this process's memory
         with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            for row in pool.map(check_image_task, ((p, max_pixels) for p in todo), chunksize=256):
+            for row in pool.map(check_image_task, ((p, max_pixels, max_ratio) for p in todo), chunksize=256):
                 rows.append(row)
                 progress.update()
     else:
         for path in todo:
-            rows.append(check_image(path, max_pixels))
+            rows.append(check_image(path, max_pixels, max_ratio))
             progress.update()
     progress.close()
     rows.sort(key=lambda r: r["path"])

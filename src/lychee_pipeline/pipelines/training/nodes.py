@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import os
+import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +17,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
+from pydantic import BaseModel, ValidationError
+
+from lychee_pipeline.training import checkpoints
 from lychee_pipeline.training.config import ModelParams, StageParams, TrainingParams, stage_devices
 from lychee_pipeline.training.launch import StageFailed, check_device_count, resolve_device, run_stage
 
@@ -23,13 +30,66 @@ class StageGateError(RuntimeError):
     """A stage gate check failed; the message names the check and the stage's logs."""
 
 
+class ParameterError(ValidationError):
+    """A bad parameter, in one line naming it (`invalid parameter training.learning_rate: ...`).
+
+    A pydantic ValidationError (and so a ValueError) whose message is one line instead of pydantic's block.
+    """
+
+    def __str__(self) -> str:
+        return "; ".join(
+            "invalid parameter " + ".".join([self.title, *map(str, e["loc"])]) + f": {e['msg']}"
+            + (f" (got {e['input']!r})" if not isinstance(e.get("input"), dict) else "")
+            for e in self.errors(include_url=False)
+        )
+
+
+def _validated(cls: type[BaseModel], section: str, values: dict) -> BaseModel:
+    try:
+        return cls(**values)
+    except ValidationError as error:
+        errors = [{k: v for k, v in e.items() if k in {"type", "loc", "input", "ctx"}} for e in error.errors()]
+        for e in errors:  # value errors carry the exception object; keep its message only
+            if "ctx" in e:
+                e["ctx"] = {k: str(v) for k, v in e["ctx"].items()}
+        raise ParameterError.from_exception_data(section, errors) from None
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def check_model_source(name_or_path: str) -> None:
+    """`model.name_or_path` must be builtin:tiny, an existing folder, or a hub id (org/name)."""
+    if name_or_path.startswith("builtin:"):
+        if name_or_path != "builtin:tiny":
+            raise ValueError(f"invalid parameter model.name_or_path: unknown built-in model {name_or_path!r} "
+                             "(only builtin:tiny)")
+        return
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return
+    if path.exists():
+        raise ValueError(f"invalid parameter model.name_or_path: {name_or_path!r} is a file, not a model folder")
+    if not _HUB_ID.match(name_or_path) or name_or_path.startswith((".", "/", "~")):
+        raise ValueError(f"invalid parameter model.name_or_path: no such folder {name_or_path!r} "
+                         "(and not a hub id of the form org/name)")
+
+
 def plan_training(
     model: dict, training: dict, stages: dict, gpus: int, device: str, run: dict, overrides: dict | None = None
 ) -> dict[str, Any]:
-    """Validate the parameters and lay out the stages (1, 2, 4, ... up to `gpus`) before anything launches."""
-    model_params = ModelParams(**model)
-    training_params = TrainingParams(**{**training, **(overrides or {})})
-    stage_params = StageParams(**stages)
+    """Validate the parameters and lay out the stages (1, 2, 4, ... up to `gpus`) before anything launches.
+
+    A bad parameter raises ParameterError (a ValueError) in one line naming it, e.g.
+    `invalid parameter training.learning_rate: Input should be greater than 0 (got -0.0001)`.
+    """
+    model_params = _validated(ModelParams, "model", model)
+    training_params = _validated(TrainingParams, "training", {**training, **(overrides or {})})
+    stage_params = _validated(StageParams, "stages", stages)
+    if model_params.trust_remote_code:
+        raise ValueError("invalid parameter model.trust_remote_code: remote code is never run "
+                         "(Qwen2.5-VL is a native transformers model); set it to false")
+    check_model_source(model_params.name_or_path)
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise ValueError(f"parameter gpus must be a positive integer, got {gpus!r}")
     device_type = resolve_device(device)
@@ -55,11 +115,29 @@ def plan_training(
 
 def export_training_table(train_records: pa.Table, plan: dict) -> str:
     """Write the training split once per run as Parquet, for the stage processes to memory-map."""
+    need = plan["training"]["group_size"] - 1
+    if train_records.num_rows:
+        import pyarrow.compute as pc
+
+        fewest = pc.min(pc.list_value_length(train_records.column("negatives"))).as_py() or 0
+        if fewest < need:
+            raise ValueError(
+                f"invalid parameter training.group_size: {need + 1} needs {need} negatives per record, "
+                f"but some training records have only {fewest} (lower group_size or add negatives)"
+            )
     path = Path(plan["run_dir"]) / "train.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_file() and pq.read_table(path, memory_map=True).equals(train_records):
+        # the same rows as last time: keep the file's bytes, so finished stages (hashed with them) are reused
+        log.info("training table: %d records, unchanged -> %s", train_records.num_rows, path)
+        return str(path)
     tmp = path.with_suffix(".parquet.tmp")
-    pq.write_table(train_records, tmp)
-    os.replace(tmp, path)
+    try:
+        pq.write_table(train_records, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # disk full: the previous table stays intact, no half-written file left
+        raise
     log.info("training table: %d records -> %s", train_records.num_rows, path)
     return str(path)
 
@@ -93,16 +171,51 @@ def _strategy_template(plan: dict) -> dict | None:
     return yaml.safe_load(path.read_text())
 
 
+# Spec keys that do not change what a stage computes: a finished stage is reused across them.
+_NOT_HASHED = {"resume", "reuse_finished"}
+_NOT_HASHED_LAUNCH = {"timeout_s", "process_group_timeout_s", "main_process_port"}
+
+
+def spec_hash(spec: dict[str, Any]) -> str:
+    """sha256 of what determines a stage's outcome: its spec (less timeouts / resume flags) and its data bytes."""
+    training = {k: v for k, v in spec["training"].items() if k not in _NOT_HASHED}
+    training["launch"] = {k: v for k, v in training["launch"].items() if k not in _NOT_HASHED_LAUNCH}
+    digest = hashlib.sha256(json.dumps({**spec, "training": training}, sort_keys=True, default=str).encode())
+    digest.update(checkpoints.sha256_file(Path(spec["data_path"])).encode())
+    return digest.hexdigest()
+
+
+def reusable_result(stage_dir: Path, wanted_hash: str) -> tuple[dict | None, str]:
+    """A finished stage's result if its spec hash matches and its adapter verifies, else (None, why not)."""
+    result_path = stage_dir / "result.json"
+    if not result_path.is_file():
+        return None, "no result.json"
+    try:
+        result = json.loads(result_path.read_text())
+    except ValueError as exc:
+        return None, f"unreadable result.json: {exc}"
+    if result.get("spec_hash") != wanted_hash:
+        return None, "parameters or training data changed (spec hash differs)"
+    if not result.get("adapter_manifest") or not result.get("adapter_dir"):
+        return None, "no adapter manifest recorded"
+    problem = checkpoints.verify_folder(Path(result["adapter_dir"]), Path(result["adapter_manifest"]))
+    if problem:
+        return None, f"adapter does not verify: {problem}"
+    return result, "finished, spec and adapter unchanged"
+
+
 def run_training_stage(training_data: str, plan: dict, devices: int, final: bool) -> dict[str, Any]:
-    """Launch one stage (a short check, or the final run for the configured epochs) and return its result."""
+    """Launch one stage (a short check, or the final run for the configured epochs) and return its result.
+
+    With `training.reuse_finished` a stage whose result.json records the same spec hash and whose adapter
+    matches its sha256 manifest is not launched again: its stored result is returned.
+    """
     name = f"stage_{devices}{'gpu' if plan['device_type'] == 'cuda' else 'cpu'}" + ("_final" if final else "")
     stage_dir = Path(plan["run_dir"]) / name
     training = dict(plan["training"])
     if not final:
         checks = plan["stages"]["check_steps"]
         training["max_steps"] = checks.get(devices, checks.get(str(devices), plan["stages"]["default_check_steps"]))
-    if not training["resume"] and stage_dir.exists():
-        shutil.rmtree(stage_dir)
     spec = {
         "stage": name,
         "data_path": training_data,
@@ -111,8 +224,24 @@ def run_training_stage(training_data: str, plan: dict, devices: int, final: bool
         | {f"lora_{k}": v for k, v in plan["model"]["lora"].items() if v is not None},
         "training": training,
     }
+    spec["spec_hash"] = spec_hash(spec)
+    if training.get("reuse_finished", True):
+        started = time.perf_counter()
+        result, why = reusable_result(stage_dir, spec["spec_hash"])
+        if result is not None:
+            log.info("stage %s: reusing the finished result in %s (%s; checked in %.2f s)", name, stage_dir, why,
+                     time.perf_counter() - started)
+            result["final"], result["reused"] = final, True
+            return result
+        if stage_dir.exists():
+            log.info("stage %s: not reusing %s: %s", name, stage_dir, why)
+    if not training["resume"] and stage_dir.exists():
+        shutil.rmtree(stage_dir)
     result = run_stage(stage_dir, spec, devices, plan["device_type"], _strategy_template(plan), _tracking_env())
-    result["final"] = final
+    if result.get("tracking_failures"):
+        log.warning("stage %s finished, but MLflow tracking failed %d time(s) (figures are in result.json): %s",
+                    name, len(result["tracking_failures"]), result["tracking_failures"][0])
+    result["final"], result["reused"] = final, False
     return result
 
 
@@ -140,6 +269,6 @@ def check_stage(result: dict, plan: dict) -> dict:
     return result
 
 
-def collect_stage_results(*results: dict | None) -> list[dict]:
-    """The stages that ran, in order (skipped check stages are None)."""
-    return [r for r in results if r is not None]
+def collect_stage_results(*results: dict) -> list[dict]:
+    """The stages that ran, in order (check stages not below `gpus` are marked skipped)."""
+    return [r for r in results if not r.get("skipped")]

@@ -14,10 +14,10 @@ CHECK_STAGES = (1, 2, 4, 8)
 
 
 def _check_stage_node(devices: int):
-    def train_check_stage(training_data: str, plan: dict, previous: dict | None = None) -> dict | None:
+    def train_check_stage(training_data: str, plan: dict, previous: dict | None = None) -> dict:
         """Run a short check stage on `devices` devices when gpus is larger, else skip."""
         if devices not in plan["ladder"][:-1]:
-            return None
+            return {"stage": f"check_{devices}", "devices": devices, "skipped": True}
         return check_stage(run_training_stage(training_data, plan, devices, final=False), plan)
 
     train_check_stage.__name__ = f"train_check_stage_{devices}"

@@ -1,0 +1,171 @@
+"""Bad images (through the image check and the reranker's collator) and bad parameters (before any launch)."""
+
+from __future__ import annotations
+
+import resource
+import struct
+import zlib
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from PIL import Image
+from reliability_helpers import make_table, stage_plan
+
+# imported first on purpose: the image check must not switch off PIL's bomb guard for the whole process
+from lychee_pipeline.pipelines.image_normalization.images import check_image
+from lychee_pipeline.pipelines.training import nodes
+from lychee_pipeline.reranker.collate import BrokenImageError, PairCollator, load_image
+
+MIN_PIXELS, MAX_PIXELS = 3136, 12544
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+
+def png_claiming(path: Path, width: int, height: int) -> Path:
+    """A valid PNG header that claims width x height pixels, with a few bytes of image data."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", zlib.compress(b"\x00" * 64))
+                     + _chunk(b"IEND", b""))
+    return path
+
+
+@pytest.fixture(scope="module")
+def processor(tmp_path_factory):
+    from lychee_pipeline.reranker.model import load_processor
+    from lychee_pipeline.reranker.tiny import ensure_tiny
+
+    return load_processor(str(ensure_tiny(tmp_path_factory.mktemp("tiny") / "builtin_tiny")))
+
+
+@pytest.fixture(scope="module")
+def bad_images(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bad_images")
+    paths = {"bomb": png_claiming(root / "bomb.png", 100_000, 100_000),  # 10^10 pixels, 30 GB decoded
+             "big": png_claiming(root / "big.png", 12_000, 12_000)}  # 144 M: between PIL's warning and error
+    noise = Image.effect_noise((64, 64), 64).convert("RGB")
+    noise.save(root / "whole.png")
+    data = (root / "whole.png").read_bytes()
+    (root / "truncated.png").write_bytes(data[: len(data) // 2])
+    paths["truncated"] = root / "truncated.png"
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to display
+    Image.new("RGB", (40, 20), (200, 20, 20)).save(root / "exif.jpg", exif=exif.tobytes())
+    paths["exif"] = root / "exif.jpg"
+    for name, size in {"tall": (1, 10_000), "wide": (10_000, 1), "pixel": (1, 1)}.items():
+        Image.new("RGB", size, (20, 200, 20)).save(root / f"{name}.png")
+        paths[name] = root / f"{name}.png"
+    return paths
+
+
+def _pair(image: Path):
+    return ({"text": "green dress", "image": None}, {"text": "a dress", "image": str(image)})
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def test_decompression_bombs_refused_from_the_header_with_bounded_memory(bad_images, processor):
+    before = _peak_rss_mib()
+    bomb = check_image(str(bad_images["bomb"]), 50_000_000)
+    assert not bomb["ok"] and bomb["reason"].startswith("too many pixels")
+    big = check_image(str(bad_images["big"]), 50_000_000)
+    assert big == {**big, "ok": False, "reason": "too many pixels: 12000x12000 > 50000000", "width": 12000}
+    # the collator (training / inference) refuses the bomb too: PIL's guard is still on in this process
+    with pytest.raises(BrokenImageError, match="bomb.png.*DecompressionBombError"):
+        PairCollator(processor, max_length=256, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)(
+            [_pair(bad_images["bomb"])])
+    assert _peak_rss_mib() - before < 300  # nothing was decoded
+
+
+def test_truncated_image(bad_images, processor):
+    row = check_image(str(bad_images["truncated"]), 10**6)
+    assert not row["ok"] and row["reason"].startswith("corrupt image:")
+    with pytest.raises(BrokenImageError, match="truncated.png"):
+        PairCollator(processor, max_length=256, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)(
+            [_pair(bad_images["truncated"])])
+
+
+def test_exif_rotated_jpeg_is_used_as_stored(bad_images, processor):
+    """Documented behaviour: the EXIF orientation is recorded nowhere and not applied; the model sees the
+    stored 40x20 pixels (as Qwen2.5-VL's own processor does), not the 20x40 a photo viewer shows."""
+    row = check_image(str(bad_images["exif"]), 10**6)
+    assert row["ok"] and (row["width"], row["height"]) == (40, 20)
+    assert load_image(str(bad_images["exif"])).size == (40, 20)
+    batch = PairCollator(processor, max_length=256, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)(
+        [_pair(bad_images["exif"])])
+    _, grid_h, grid_w = batch["image_grid_thw"][0].tolist()
+    assert grid_w > grid_h  # landscape, as stored
+
+
+@pytest.mark.parametrize("name", ["tall", "wide"])
+def test_extreme_aspect_ratio_rejected_clearly(bad_images, processor, name):
+    row = check_image(str(bad_images[name]), 10**6)
+    assert not row["ok"] and row["reason"].startswith("aspect ratio too extreme: ")  # quarantined before training
+    # handed to the collator anyway, it stops before the model, naming the limit
+    with pytest.raises(ValueError, match="aspect ratio must be smaller than 200"):
+        PairCollator(processor, max_length=256, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)([_pair(bad_images[name])])
+
+
+def test_one_pixel_image_is_resized_up_to_min_pixels(bad_images, processor):
+    assert check_image(str(bad_images["pixel"]), 10**6)["ok"]
+    batch = PairCollator(processor, max_length=256, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)(
+        [_pair(bad_images["pixel"])])
+    t, h, w = batch["image_grid_thw"][0].tolist()
+    assert MIN_PIXELS <= h * w * 14 * 14 <= MAX_PIXELS
+
+
+# ---- parameters: one line naming the dotted parameter, before anything launches ----------------------------
+
+BAD_PARAMETERS = [
+    ({}, {"group_size": "eight"}, "training.group_size: Input should be a valid integer"),
+    ({}, {"learning_rate": -1e-4}, "training.learning_rate: Input should be greater than 0"),
+    ({}, {"loss": "hinge"}, "training.loss: Input should be 'pointwise' or 'listwise'"),
+    ({}, {"launch": {"timeout_s": 0}}, "training.launch.timeout_s: Input should be greater than 0"),
+    ({}, {"lerning_rate": 1e-4}, "training.lerning_rate: Extra inputs are not permitted"),
+    ({"name_or_path": "/no/such/model"}, {}, "model.name_or_path: no such folder '/no/such/model'"),
+    ({"name_or_path": "./models/missing"}, {}, "model.name_or_path: no such folder"),
+    ({"name_or_path": "builtin:huge"}, {}, "model.name_or_path: unknown built-in model"),
+    ({"finetune": "lorax"}, {}, "model.finetune: Input should be"),
+    ({"trust_remote_code": True}, {}, "model.trust_remote_code: remote code is never run"),
+]
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process was launched")
+
+    monkeypatch.setattr(nodes, "run_stage", refuse)
+
+
+@pytest.mark.parametrize("model,training,message", BAD_PARAMETERS)
+def test_bad_parameter_is_one_line_naming_it(tmp_path, no_launch, model, training, message):
+    with pytest.raises(ValueError) as error:
+        nodes.plan_training({"lora": {"r": 4}, **model}, training, {}, 1, "cpu",
+                            {"name": "r", "output_root": str(tmp_path)})
+    text = str(error.value)
+    assert "\n" not in text and text.startswith("invalid parameter ") and message in text, text
+
+
+def test_group_size_larger_than_the_negatives_fails_at_export(tmp_path, no_launch):
+    table = make_table(tmp_path, negatives=5)  # 5 negatives each: group_size 6 fits, 7 does not
+    assert nodes.export_training_table(table, stage_plan(tmp_path / "ok", group_size=6))
+    with pytest.raises(ValueError) as error:
+        nodes.export_training_table(table, stage_plan(tmp_path / "bad", group_size=7))
+    text = str(error.value)
+    assert "\n" not in text and text.startswith("invalid parameter training.group_size: 7 needs 6 negatives")
+    assert not (tmp_path / "bad" / "r" / "train.parquet").exists()
+
+
+def test_a_hub_id_and_an_existing_folder_are_accepted(tmp_path):
+    for name in ("vec-ai/lychee-rerank-mm", str(tmp_path)):
+        nodes.check_model_source(name)
+
+
+def test_empty_training_table_still_plans(tmp_path):
+    empty = pa.Table.from_pylist([], schema=make_table(tmp_path).schema)
+    assert Path(nodes.export_training_table(empty, stage_plan(tmp_path))).is_file()

@@ -1,0 +1,174 @@
+"""Security: no remote code, tensors-only loading, image paths confined, local-only UIs, credentials never
+logged to MLflow, and a dependency audit."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lychee_pipeline.pipelines.image_normalization.images import Resolver
+from lychee_pipeline.reranker.model import ModelConfig
+
+PROJECT = Path(__file__).resolve().parents[2]
+SRC = PROJECT / "src" / "lychee_pipeline"
+CHILD_ENV = {**os.environ, "KEDRO_DISABLE_TELEMETRY": "1", "MLFLOW_DISABLE_TELEMETRY": "1", "DO_NOT_TRACK": "1"}
+
+
+def test_trust_remote_code_refused():
+    with pytest.raises(ValueError, match="trust_remote_code=True is not allowed"):
+        ModelConfig(name_or_path="builtin:tiny", trust_remote_code=True)
+    # and in the pipeline, at plan time (one line, before a process starts): see test_bad_inputs.py
+
+
+def test_no_unsafe_deserialisation_in_the_package():
+    """No pickle, no torch.load without weights_only, no remote code anywhere in our source."""
+    offenders = []
+    for path in SRC.rglob("*.py"):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if re.search(r"\bimport pickle\b|\bpickle\.loads?\(|\bcloudpickle\b|\bimport dill\b"
+                         r"|weights_only\s*=\s*False|[(,]\s*trust_remote_code\s*=\s*True"
+                         r"|(?<![.\w])(eval|exec)\(", code):
+                offenders.append(f"{path.relative_to(PROJECT)}:{number}: {line.strip()}")
+            if re.search(r"torch\.load\(", code) and "weights_only=True" not in code:
+                offenders.append(f"{path.relative_to(PROJECT)}:{number}: {line.strip()}")
+    assert offenders == []
+    assert '"use_safetensors": True' in (SRC / "reranker" / "model.py").read_text()
+    assert 'load_kwargs={"weights_only": True}' in (SRC / "training" / "train.py").read_text()
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_checkpoint_loader_refuses_pickled_objects(tmp_path):
+    """Accelerate's loader (used by load_state for optimizer / scheduler / RNG files) is tensors-only."""
+    from accelerate.utils.other import load
+
+    torch.save({"state": torch.zeros(2)}, tmp_path / "optimizer.bin")
+    assert torch.equal(load(tmp_path / "optimizer.bin")["state"], torch.zeros(2))
+    torch.save({"evil": Payload()}, tmp_path / "evil.bin")
+    with pytest.raises(Exception, match="Weights only load failed|Unsupported global"):
+        load(tmp_path / "evil.bin")
+
+
+def test_symlink_escaping_the_image_roots_is_refused(tmp_path):
+    root, outside = tmp_path / "images", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "secret.png").write_bytes(b"x")
+    (root / "ok.png").write_bytes(b"x")
+    (root / "link.png").symlink_to(outside / "secret.png")  # a file link pointing out
+    (root / "sub").symlink_to(outside, target_is_directory=True)  # a folder link pointing out
+    (root / "inner.png").symlink_to(root / "ok.png")  # a link that stays inside is fine
+    resolver = Resolver([str(root)])
+    assert resolver.resolve("ok.png")[0] == str((root / "ok.png").resolve())
+    assert resolver.resolve("inner.png")[0] == str((root / "ok.png").resolve())
+    for ref in ("link.png", "sub/secret.png", str(root / "link.png"), str(root / "sub" / "secret.png")):
+        path, reason = resolver.resolve(ref)
+        assert path is None and reason == f"path escapes the image roots: {ref}"
+
+
+def test_uis_bind_to_loopback_by_default():
+    mlflow_conf = yaml.safe_load((PROJECT / "conf" / "base" / "mlflow.yml").read_text())
+    assert mlflow_conf["ui"]["host"] == "127.0.0.1"
+    makefile = (PROJECT / "Makefile").read_text()
+    for command in ("kedro viz run", "kedro mlflow ui"):
+        lines = [line for line in makefile.splitlines() if command in line]
+        assert lines and all("--host 127.0.0.1" in line for line in lines), lines
+
+
+def test_credentials_are_git_ignored():
+    if shutil.which("git") is None or not (PROJECT / ".git").exists():
+        pytest.skip("not a git checkout")
+    paths = ["conf/local/credentials.yml", "conf/base/credentials.yml", "conf/local/mlflow.yml"]
+    ignored = subprocess.run(["git", "check-ignore", *paths], cwd=PROJECT, capture_output=True, text=True).stdout
+    assert ignored.split() == paths
+
+
+SECRET = "s3cr3t-DO-NOT-LOG-7f3a9c"
+
+SESSION = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from kedro.framework.session import KedroSession
+    from kedro.framework.startup import bootstrap_project
+
+    project = Path(sys.argv[1])
+    bootstrap_project(project)
+    with KedroSession.create(project_path=project, runtime_params={
+            "demo_data.n_products": 12, "demo_data.n_records": 30}) as session:
+        session.run(pipeline_name="demo_data")
+""")
+
+
+def test_credentials_never_logged_as_mlflow_params(tmp_path):
+    """A real KedroSession (kedro-mlflow hooks on) in a copy of the project with a credential configured."""
+    project = tmp_path / "project"
+    project.mkdir()
+    shutil.copytree(PROJECT / "conf", project / "conf", ignore=shutil.ignore_patterns("credentials*"))
+    shutil.copy(PROJECT / "pyproject.toml", project / "pyproject.toml")
+    (project / "src").mkdir()  # the package itself is installed (editable); kedro wants the folder
+    (project / "conf" / "local").mkdir(exist_ok=True)
+    (project / "conf" / "local" / "credentials.yml").write_text(yaml.safe_dump(
+        {"mlflow_env": {"MLFLOW_TRACKING_PASSWORD": SECRET}, "s3": {"key": "AKIA", "secret": SECRET}}))
+    run = subprocess.run([sys.executable, "-c", SESSION, str(project)], cwd=project, env=CHILD_ENV,
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert SECRET not in run.stdout + run.stderr  # not in the log either
+
+    db = project / "mlflow.db"
+    assert db.is_file()
+    with sqlite3.connect(db) as conn:
+        runs = conn.execute("SELECT run_uuid FROM runs").fetchall()
+        params = conn.execute("SELECT key, value FROM params").fetchall()
+        tags = conn.execute("SELECT key, value FROM tags").fetchall()
+    assert runs and params  # the run was logged, with its parameters
+    assert any(key.startswith("demo_data") for key, _ in params)
+    for key, value in params + tags:
+        assert SECRET not in key and SECRET not in (value or ""), key
+    assert SECRET.encode() not in db.read_bytes()  # nowhere in the store at all
+    for path in project.rglob("*"):
+        if path.is_file() and "credentials" not in path.name:
+            assert SECRET.encode() not in path.read_bytes(), path
+
+
+def test_dependency_audit():
+    """pip-audit over the installed (pinned) dependency set; skips only when the vulnerability service is
+    unreachable. Findings are addressed or listed in docs/reliability.md (IGNORED, each with its reason)."""
+    audit = shutil.which("pip-audit", path=str(Path(sys.executable).parent)) or shutil.which("pip-audit")
+    if audit is None:
+        pytest.skip("pip-audit is not installed (pip install pip-audit; it is in the dev extra)")
+    ignored: dict[str, str] = {}  # vulnerability id -> why it does not apply (mirrored in docs/reliability.md)
+    command = [audit, "--progress-spinner", "off", "-f", "json", "--skip-editable"]
+    for vuln in ignored:
+        command += ["--ignore-vuln", vuln]
+    try:
+        run = subprocess.run(command, capture_output=True, text=True, timeout=240, env=CHILD_ENV)
+    except subprocess.TimeoutExpired:
+        pytest.skip("pip-audit: the vulnerability service did not answer within 240 s")
+    out = run.stdout.strip()
+    if not out.startswith("{"):
+        if re.search(r"Connection|Max retries|NameResolution|timed out|Temporary failure|SSLError", run.stderr):
+            pytest.skip(f"pip-audit: vulnerability service unreachable: {run.stderr.strip().splitlines()[-1]}")
+        pytest.fail(f"pip-audit failed: {run.stderr[-2000:]}")
+    report = json.loads(out)
+    deps = report["dependencies"]
+    audited = [d for d in deps if "skip_reason" not in d]
+    if not audited:
+        reasons = {d["skip_reason"].split(":")[0] for d in deps}
+        pytest.skip(f"pip-audit: vulnerability service unreachable (no package could be looked up: {reasons})")
+    found = {f"{d['name']}=={d['version']}": [v["id"] for v in d.get("vulns", [])] for d in audited if d.get("vulns")}
+    assert found == {}, f"vulnerable dependencies (fix the pin or document in docs/reliability.md): {found}"

@@ -1,0 +1,105 @@
+"""End to end, as a user runs it: `smoke` and `full` through KedroSession in a copy of the project, with the
+real `accelerate launch` processes and a real sqlite MLflow store, checked through MlflowClient."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from project_runs import make_project_copy, run_kedro
+
+
+def _client(root: Path):
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{root / 'mlflow.db'}")
+    return mlflow.MlflowClient()
+
+
+def _runs(root: Path):
+    client = _client(root)
+    experiment = client.get_experiment_by_name("lychee_pipeline")
+    assert experiment is not None
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    return client, parents, children
+
+
+def test_smoke_trains_and_beats_the_untrained_model(smoke_project):
+    metrics = json.loads((smoke_project / "data/08_reporting/evaluation_mlflow_metrics.json").read_text())
+    base, tuned = metrics["test.mrr_at_10.base"], metrics["test.mrr_at_10.finetuned"]
+    assert tuned > base + 0.1, f"fine-tuned MRR@10 {tuned:.3f} does not beat base {base:.3f} by 0.1"
+    stages = json.loads((smoke_project / "data/06_models/stage_results/all_stages.json").read_text())
+    assert [s["stage"] for s in stages] == ["stage_1cpu_final"] and stages[0]["steps"] == 300
+    summary = json.loads((smoke_project / "data/08_reporting/run_summary.json").read_text())
+    assert summary["records_in"] == 2400 and summary["mrr_at_10_finetuned"] == pytest.approx(tuned)
+    for plot in (smoke_project / "data/08_reporting").rglob("*.png"):
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_smoke_is_tracked_in_mlflow(smoke_project):
+    import mlflow
+    import pandas as pd
+
+    client, parents, children = _runs(smoke_project)
+    assert len(parents) == 1 and len(children) == 1
+    parent, stage = parents[0], children[0]
+    assert stage.data.tags["mlflow.parentRunId"] == parent.info.run_id
+    assert parent.data.params["training.loss"] == "pointwise"  # parameters flattened
+    assert parent.data.metrics["test.mrr_at_10.finetuned"] > parent.data.metrics["test.mrr_at_10.base"]
+    assert parent.data.metrics["data.lines_in"] == 2400
+    history = client.get_metric_history(stage.info.run_id, "loss")
+    assert [m.step for m in history] == list(range(1, 301))
+    assert {"pairs_per_s", "tokens_per_s", "peak_mem_gib", "learning_rate"} <= set(stage.data.metrics)
+    artifacts = [a.path for a in client.list_artifacts(stage.info.run_id, "adapter")]
+    assert "adapter/model.safetensors" in artifacts or "adapter/adapter_model.safetensors" in artifacts
+
+    data_artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "data")}
+    assert {"data/rejected_lines.jsonl", "data/data_counts.json", "data/smoke_train.parquet"} <= data_artifacts
+    reporting = {a.path for a in client.list_artifacts(parent.info.run_id, "reporting")}
+    assert {"reporting/evaluation_report.md", "reporting/evaluation_metrics.json", "reporting/plots"} <= reporting
+
+    logging = json.loads((smoke_project / "data/08_reporting/mlflow_logging.json").read_text())
+    model = mlflow.pyfunc.load_model(logging["model_uri"])
+    scores = model.predict(pd.DataFrame([
+        {"query_text": "red dress", "query_image": "", "doc_text": "a red cotton dress", "doc_image": ""},
+        {"query_text": "red dress", "query_image": "", "doc_text": "blue leather shoes", "doc_image": ""},
+    ]))
+    assert len(scores) == 2 and all(0.0 < s < 1.0 for s in scores)
+
+
+def test_full_pipeline_runs_stages_1_then_2_processes(tmp_path):
+    root = make_project_copy(tmp_path)
+    run_kedro(root, "full", {
+        "gpus": 2,
+        "model": {"finetune": "full"},
+        "stages": {"check_steps": {1: 3}},
+        "training": {"max_steps": 6, "learning_rate": 2e-3, "checkpoint_every": 100, "max_pixels": 12544},
+        "evaluation": {"max_queries": 20},
+    })
+    stages = json.loads((root / "data/06_models/stage_results/all_stages.json").read_text())
+    assert [(s["stage"], s["devices"], s["steps"]) for s in stages] == [
+        ("stage_1cpu", 1, 3), ("stage_2cpu_final", 2, 6)]
+    assert stages[1]["replica_max_diff"] == 0.0
+    scaling = json.loads((root / "data/08_reporting/evaluation_metrics.json").read_text())
+    assert "scaling" in scaling
+    _, parents, children = _runs(root)
+    assert len(parents) == 1 and {c.data.tags["stage"] for c in children} == {"stage_1cpu", "stage_2cpu_final"}
+
+
+def test_cli_refuses_more_gpus_than_visible(tmp_path):
+    root = make_project_copy(tmp_path)
+    env = dict(os.environ, KEDRO_DISABLE_TELEMETRY="1", MLFLOW_DISABLE_TELEMETRY="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kedro", "run", "--pipeline", "full", "--params", "device=cuda,gpus=4",
+         "--nodes", "plan_training_stages"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "gpus=4 asks for more GPUs than the 0 visible" in proc.stdout + proc.stderr
