@@ -30,10 +30,10 @@ test: install
 	$(BIN)/python -m pytest
 
 viz: install
-	$(BIN)/kedro viz run --host 127.0.0.1
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/kedro viz run --host 127.0.0.1
 
 mlflow-ui: install
-	$(BIN)/kedro mlflow ui --host 127.0.0.1
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/kedro mlflow ui --host 127.0.0.1
 
 benchmark-data: install
 	$(BIN)/python benchmarks/data_layer.py

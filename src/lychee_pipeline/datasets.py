@@ -69,6 +69,14 @@ class ArrowTableDataset(AbstractDataset[pa.Table, pa.Table]):
     def _describe(self) -> dict[str, Any]:
         return {"filepath": str(PurePosixPath(self._filepath)), "missing_ok": self._missing_ok}
 
+    def preview(self, nrows: int = 5) -> dict[str, Any]:
+        """The first rows as a table (kedro-viz's dataset preview); nested columns as JSON text."""
+        if not self._filepath.exists():
+            return {"index": [], "columns": [], "data": []}
+        head = pq.ParquetFile(self._filepath).iter_batches(batch_size=nrows)
+        rows = next(head, pa.record_batch([])).to_pylist()[:nrows]
+        return _table_preview(rows)
+
 
 class JSONLinesDataset(AbstractDataset[list[dict[str, Any]], list[dict[str, Any]]]):
     """A list of JSON objects, one per line (UTF-8, no ASCII escaping), saved atomically."""
@@ -101,3 +109,22 @@ class JSONLinesDataset(AbstractDataset[list[dict[str, Any]], list[dict[str, Any]
 
     def _describe(self) -> dict[str, Any]:
         return {"filepath": str(PurePosixPath(self._filepath))}
+
+    def preview(self, nrows: int = 5) -> dict[str, Any]:
+        """The first lines as a table (kedro-viz's dataset preview)."""
+        rows: list[dict[str, Any]] = []
+        if self._filepath.exists():
+            with self._filepath.open(encoding="utf-8") as handle:
+                for line in handle:
+                    if line.strip():
+                        rows.append(json.loads(line))
+                    if len(rows) >= nrows:
+                        break
+        return _table_preview(rows)
+
+
+def _table_preview(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rows as kedro-viz's table preview (pandas' "split" layout), nested values as JSON text."""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    cell = lambda v: v if isinstance(v, (str, int, float, bool, type(None))) else json.dumps(v, ensure_ascii=False)  # noqa: E731
+    return {"index": list(range(len(rows))), "columns": columns, "data": [[cell(r.get(c)) for c in columns] for r in rows]}

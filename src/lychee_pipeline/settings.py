@@ -1,5 +1,7 @@
 """Project settings: configuration loading and hooks."""
 
+from pathlib import Path
+
 from kedro.config import OmegaConfigLoader
 
 CONFIG_LOADER_CLASS = OmegaConfigLoader
@@ -10,4 +12,7 @@ CONFIG_LOADER_ARGS = {
         # kedro-mlflow reads conf/<env>/mlflow.yml through this pattern.
         "mlflow": ["mlflow*", "mlflow*/**"],
     },
+    # ${abspath:mlflow.db}: an absolute store path, so a process that opens two projects (a notebook, the
+    # tests) never reuses the first project's cached sqlite store for the second.
+    "custom_resolvers": {"abspath": lambda path: Path(path).resolve().as_posix()},
 }

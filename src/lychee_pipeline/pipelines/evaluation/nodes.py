@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 import pandas as pd
 
 from lychee_pipeline.evaluation import (
@@ -133,7 +134,10 @@ def score_candidates(queries: Sequence[Mapping[str, Any]], model: str, reranker:
     by length and batch them across queries; it picks each pair's instruction from its task type.
     """
     pairs = [(q["query"], c["item"]) for q in queries for c in q["candidates"]]
-    values = list(reranker.score_pairs(pairs)) if pairs else []
+    step = 1024  # large slices keep the reranker's length sorting useful and the progress bar moving
+    values: list[float] = []
+    for start in tqdm(range(0, len(pairs), step), desc=f"scoring with {model}", unit="slice", disable=None):
+        values.extend(reranker.score_pairs(pairs[start : start + step]))
     if len(values) != len(pairs):
         raise RuntimeError(f"{model}: {len(values)} scores for {len(pairs)} pairs")
     rows, it = [], iter(values)

@@ -28,12 +28,13 @@ def log_run_to_mlflow(
         mlflow.log_metrics(metrics)
         logged["metrics"] = len(metrics)
         client = mlflow.MlflowClient()
-        for result in stage_results:
+        for result in stage_results:  # the stage's own figures on its nested run, so the compare view lines stages up
             if result.get("mlflow_run_id"):
-                stage_metrics = {k.split(".", 2)[-1] if k.startswith(("test.", "business.")) else k: v
-                                 for k, v in evaluation_mlflow_metrics.items() if f".{result['stage']}" in k}
-                for name, value in stage_metrics.items():
-                    client.log_metric(result["mlflow_run_id"], name.replace(f".{result['stage']}", ""), float(value))
+                for key, value in evaluation_mlflow_metrics.items():
+                    parts = key.split(".")
+                    if result["stage"] in parts:
+                        parts.remove(result["stage"])
+                        client.log_metric(result["mlflow_run_id"], ".".join(parts), float(value))
         final = stage_results[-1] if stage_results else None
         if final is not None:
             from lychee_pipeline.tracking import log_reranker_model
@@ -54,8 +55,8 @@ def summarize_run(data_counts: dict[str, Any], stage_results: list[dict], evalua
         "records_clean": data_counts.get("clean"),
         "rejected": data_counts.get("rejected"),
         "quarantined": data_counts.get("quarantined"),
-        "train_records": data_counts.get("train"),
-        "test_records": data_counts.get("test"),
+        "train_records": data_counts.get("train_size"),
+        "test_records": data_counts.get("test_size"),
         "stages": [f"{r['stage']}: {r['steps']} steps, {r['pairs_per_s']:.1f} pairs/s" for r in stage_results],
         "mrr_at_10_base": mrr.get("base"),
         "mrr_at_10_finetuned": mrr.get("finetuned"),

@@ -1,0 +1,73 @@
+"""`kedro viz build` (the static export) shows every pipeline, node, layer and stage tag.
+
+kedro-viz 12.5 writes the API responses the web app reads as JSON files without extension:
+``build/api/main`` (the default pipeline, plus the list of pipelines), ``build/api/pipelines/<id>``
+and ``build/api/nodes/<node id>``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+
+from user_tools_support import kedro
+
+LAYERS = ["raw", "intermediate", "primary", "model_input", "models", "model_output", "reporting"]
+SNAKE = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)+$")  # at least two words: "verb_object"
+
+
+def _registered():
+    from lychee_pipeline.pipeline_registry import register_pipelines
+
+    return register_pipelines()
+
+
+def test_viz_build_exports_every_pipeline_node_layer_and_stage_tag(project_copy):
+    kedro(project_copy, "viz", "build", timeout=180)
+    api = project_copy / "build" / "api"
+    assert (project_copy / "build" / "index.html").is_file()
+    main = json.loads((api / "main").read_text())
+    registered = _registered()
+
+    # every registered pipeline is listed and exported
+    assert {p["id"] for p in main["pipelines"]} == set(registered)
+    for pid in registered:
+        assert (api / "pipelines" / pid).is_file(), pid
+
+    for pid in ("smoke", "full"):
+        exported = json.loads((api / "pipelines" / pid).read_text())
+        by_type: dict[str, dict[str, dict]] = {}
+        for n in exported["nodes"]:
+            by_type.setdefault(n["type"], {})[n["name"]] = n
+        tasks, datasets = by_type["task"], by_type.get("data", {})
+        pipeline = registered[pid]
+
+        # every node of the pipeline, under its own name, with its tags
+        assert set(tasks) == {n.name for n in pipeline.nodes}, pid
+        for n in pipeline.nodes:
+            assert set(tasks[n.name]["tags"]) == set(n.tags), n.name
+            assert SNAKE.match(n.name), f"node name {n.name!r} does not say what it does"
+
+        # every dataset (not params) has a layer, and the layers are ordered raw -> ... -> reporting
+        free = {d for d in pipeline.datasets() if not d.startswith("params:") and d != "parameters"}
+        assert set(datasets) == free, pid
+        missing = sorted(name for name, d in datasets.items() if d.get("layer") not in LAYERS)
+        assert not missing, f"{pid}: datasets without a known layer: {missing}"
+        assert exported["layers"] == LAYERS, f"{pid}: layers {exported['layers']} (a cycle empties the list)"
+
+        # the training stages are tagged, so kedro-viz can filter on them
+        stage_nodes = [n for n in pipeline.nodes if n.name.startswith("train_")]
+        assert stage_nodes, pid
+        for n in stage_nodes:
+            assert "training" in n.tags and any(t.startswith("stage_") for t in n.tags), n.name
+        if pid == "full":
+            stage_tags = {t for n in stage_nodes for t in n.tags if t.startswith("stage_")}
+            assert stage_tags == {"stage_1", "stage_2", "stage_4", "stage_8", "stage_final"}
+
+    # the default view is the smoke pipeline, and each dataset has a metadata page (filepath, type)
+    assert {n["name"] for n in main["nodes"] if n["type"] == "task"} == {n.name for n in registered["smoke"].nodes}
+    ids = {n["name"]: n["id"] for n in main["nodes"]}
+    page = json.loads((api / "nodes" / ids["normalized_records"]).read_text())
+    assert page["filepath"].endswith("data/03_primary/normalized_records.parquet")
+    assert page["type"].endswith("ArrowTableDataset")
