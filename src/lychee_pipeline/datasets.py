@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -12,14 +14,20 @@ import pyarrow.parquet as pq
 from kedro.io.core import AbstractDataset, DatasetError
 
 
-def _atomic_target(path: Path) -> Path:
+@contextmanager
+def _atomic_file(path: Path) -> Iterator[Path]:
+    """Yield a temporary path next to ``path`` and move it into place when the block succeeds.
+
+    On any failure (disk full, interrupted) the half-written file is dropped and the previous output stays.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-def _discard(tmp: Path) -> None:
-    """Drop a half-written temporary file (disk full, interrupted): the previous output stays as it was."""
-    tmp.unlink(missing_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class ArrowTableDataset(AbstractDataset[pa.Table, pa.Table]):
@@ -55,13 +63,8 @@ class ArrowTableDataset(AbstractDataset[pa.Table, pa.Table]):
         """Write ``data`` to a temporary file, then move it into place."""
         if not isinstance(data, pa.Table):
             raise DatasetError(f"ArrowTableDataset saves a pyarrow.Table, got {type(data).__name__}")
-        tmp = _atomic_target(self._filepath)
-        try:
+        with _atomic_file(self._filepath) as tmp:
             pq.write_table(data, tmp, **self._save_args)
-            os.replace(tmp, self._filepath)
-        except BaseException:
-            _discard(tmp)
-            raise
 
     def _exists(self) -> bool:
         return self._filepath.exists()
@@ -94,15 +97,9 @@ class JSONLinesDataset(AbstractDataset[list[dict[str, Any]], list[dict[str, Any]
 
     def save(self, data: list[dict[str, Any]]) -> None:
         """Write one JSON object per line."""
-        tmp = _atomic_target(self._filepath)
-        try:
-            with tmp.open("w", encoding="utf-8") as handle:
-                for row in data:
-                    handle.write(json.dumps(row, ensure_ascii=False) + "\n")
-            os.replace(tmp, self._filepath)
-        except BaseException:
-            _discard(tmp)
-            raise
+        with _atomic_file(self._filepath) as tmp, tmp.open("w", encoding="utf-8") as handle:
+            for row in data:
+                handle.write(json.dumps(row, ensure_ascii=False) + "\n")
 
     def _exists(self) -> bool:
         return self._filepath.exists()
