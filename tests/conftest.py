@@ -129,3 +129,15 @@ def smoke_project(tmp_path_factory) -> Path:
     root = make_project_copy(tmp_path_factory.mktemp("smoke_project"))
     run_kedro(root, "smoke")
     return root
+
+
+@pytest.fixture(autouse=True)
+def _no_mlflow_run_left_active():
+    """Tests run several Kedro sessions in one process; a run one of them leaves active must not leak."""
+    yield
+    import sys
+
+    if "mlflow" in sys.modules:
+        mlflow = sys.modules["mlflow"]
+        while mlflow.active_run() is not None:
+            mlflow.end_run()

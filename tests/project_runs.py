@@ -27,8 +27,11 @@ def run_kedro(root: Path, pipeline: str, params: dict | None = None) -> None:
     from kedro.framework.session import KedroSession
     from kedro.framework.startup import bootstrap_project
 
-    while mlflow.active_run() is not None:  # one process runs several sessions here; a user's CLI run does not
-        mlflow.end_run()
+    def end_active_runs() -> None:  # one process runs several sessions here; a user's CLI run does not
+        while mlflow.active_run() is not None:
+            mlflow.end_run()
+
+    end_active_runs()
     previous = os.getcwd()
     os.chdir(root)
     try:
@@ -37,3 +40,4 @@ def run_kedro(root: Path, pipeline: str, params: dict | None = None) -> None:
             session.run(pipeline_name=pipeline)
     finally:
         os.chdir(previous)
+        end_active_runs()

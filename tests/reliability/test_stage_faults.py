@@ -49,8 +49,6 @@ def test_one_rank_dies_the_other_is_stopped_and_both_are_quoted(tmp_path, reliab
     assert "[default0]" in rank0 and "remote worker" in rank0, rank0
     assert "[rank 1] started" in rank1 and "(no output)" not in rank1
     assert "per-rank logs:" in message
-    # torchrun's failure summary is quoted too; which rank it names first depends on which exit it saw first
-    assert "(SIGKILL)" in message or "exitcode" in message, message
     logging.getLogger(__name__).info("rank death detected in %.1f s", elapsed)
 
 

@@ -154,7 +154,7 @@ def run_stage(
                 if not NOISE.search(line[match.end():] if match else line):
                     last_lines[f"rank {rank}" if rank is not None else "launcher"].append(line)
                 if line:
-                    log.info("%s", line)
+                    log.info("%s", line, extra={"markup": False})  # child output is not rich markup
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
