@@ -7,6 +7,9 @@ Needs only torch, transformers, peft (and the project's reranker package on ``PY
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import math
 import statistics
 import time
@@ -288,3 +291,18 @@ def environment(device: torch.device) -> dict[str, str]:
     else:
         info["gpu"] = "none (CPU)"
     return info
+
+
+def add_run_args(parser, seed: int) -> None:
+    """Arguments every benchmark takes: the seed and the folder its output files go to ($OUT on the lent GPU)."""
+    parser.add_argument("--seed", type=int, default=seed)
+    parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+
+
+def pick_device(parser, tiny: bool) -> tuple[torch.device, torch.dtype]:
+    """CUDA in bf16 when there is a GPU; the CPU in fp32 only for the --tiny code-path check."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not tiny:
+        parser.error("the 7B benchmark needs a CUDA GPU; use --tiny on a CPU")
+    return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+

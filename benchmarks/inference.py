@@ -197,14 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overlap", default="", help="extra batch sizes for the core scorer, e.g. 64,128")
     parser.add_argument("--fast-check", type=int, default=64, help="pairs scored with and without the fast vision path")
     parser.add_argument("--tiny-dir", default=None, help="where to build the tiny processor (default: a temp folder)")
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    common.add_run_args(parser, seed=7)
     args = parser.parse_args(argv)
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if device.type == "cpu" and not args.tiny:
-        parser.error("the 7B benchmark needs a CUDA GPU; use --tiny on a CPU")
+    device, dtype = common.pick_device(parser, args.tiny)
     env = common.environment(device)
     log(f"env {json.dumps(env)}")
     tiny_dir = args.tiny_dir or tempfile.mkdtemp(prefix="lychee_tiny_")

@@ -284,14 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check-groups", type=int, default=2, help="groups for the loss check (0: skip)")
     parser.add_argument("--no-grad-check", action="store_true")
     parser.add_argument("--max-peak-gib", type=float, default=40.0)
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    common.add_run_args(parser, seed=1234)
     args = parser.parse_args(argv)
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if device.type == "cpu" and not args.tiny:
-        parser.error("the 7B benchmark needs a CUDA GPU; use --tiny on a CPU")
+    device, dtype = common.pick_device(parser, args.tiny)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
