@@ -9,16 +9,29 @@ export MLFLOW_DISABLE_TELEMETRY=1
 export DO_NOT_TRACK=1
 export TOKENIZERS_PARALLELISM=false
 
-.PHONY: install smoke full test viz mlflow-ui benchmark-data clean
+.PHONY: install lock audit smoke full test viz mlflow-ui benchmark-data clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -c constraints.txt --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt "$(TORCH)"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $@
+
+# Rebuild the lock (constraints.txt) from a fresh, unconstrained install; then re-run `make audit`.
+lock:
+	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/python -m pip install -q --upgrade pip
+	.lock-venv/bin/python -m pip install -q "$(TORCH)" -e ".[dev]"
+	{ grep '^#' constraints.txt; .lock-venv/bin/python -m pip freeze --all --exclude-editable | sed 's/+cpu$$//'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt && rm -rf .lock-venv
+
+# Offline audit of the lock against security/pypa-advisories.json; pip-audit too where a service answers.
+audit: install
+	$(BIN)/python security/audit.py
+	$(BIN)/python security/audit.py --installed
 
 smoke: install
 	$(BIN)/kedro run --pipeline smoke
