@@ -105,6 +105,7 @@ MANIFEST_SCHEMA = pa.schema(
         pa.field("format", pa.string()),
         pa.field("mode", pa.string()),
         pa.field("frames", pa.int32()),
+        pa.field("orientation", pa.int8()),  # EXIF orientation (1 = upright); width/height are as stored
         pa.field("size_bytes", pa.int64()),
         pa.field("mtime_ns", pa.int64()),
         pa.field("max_pixels", pa.int64()),

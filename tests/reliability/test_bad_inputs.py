@@ -52,7 +52,9 @@ def bad_images(tmp_path_factory) -> dict[str, Path]:
     paths["truncated"] = root / "truncated.png"
     exif = Image.Exif()
     exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to display
-    Image.new("RGB", (40, 20), (200, 20, 20)).save(root / "exif.jpg", exif=exif.tobytes())
+    sideways = Image.new("RGB", (40, 20), (200, 20, 20))  # stored: red left half, blue right half
+    sideways.paste((20, 20, 200), (20, 0, 40, 20))
+    sideways.save(root / "exif.jpg", exif=exif.tobytes(), quality=95)
     paths["exif"] = root / "exif.jpg"
     for name, size in {"tall": (1, 10_000), "wide": (10_000, 1), "pixel": (1, 1)}.items():
         Image.new("RGB", size, (20, 200, 20)).save(root / f"{name}.png")
@@ -89,16 +91,21 @@ def test_truncated_image(bad_images, processor):
             [_pair(bad_images["truncated"])])
 
 
-def test_exif_rotated_jpeg_is_used_as_stored(bad_images, processor):
-    """Documented behaviour: the EXIF orientation is recorded nowhere and not applied; the model sees the
-    stored 40x20 pixels (as Qwen2.5-VL's own processor does), not the 20x40 a photo viewer shows."""
+def test_exif_rotated_jpeg_is_turned_upright(bad_images, processor):
+    """The check records the stored 40x20 and the orientation tag; the loader (training and scoring alike)
+    turns the pixels as a photo viewer does, so the model sees 20x40 portrait, the red pixels unchanged."""
     row = check_image(str(bad_images["exif"]), 10**6)
-    assert row["ok"] and (row["width"], row["height"]) == (40, 20)
-    assert load_image(str(bad_images["exif"])).size == (40, 20)
+    assert row["ok"] and (row["width"], row["height"], row["orientation"]) == (40, 20, 6)
+    assert check_image(str(bad_images["pixel"]), 10**6)["orientation"] == 1  # no EXIF at all
+    upright = load_image(str(bad_images["exif"]))
+    assert upright.size == (20, 40) and upright.mode == "RGB"
+    # turned 90 degrees clockwise: the stored left (red) is now the top, the right (blue) the bottom
+    red, blue = upright.getpixel((10, 5)), upright.getpixel((10, 35))
+    assert red[0] > 150 > red[2] and blue[2] > 150 > blue[0], (red, blue)
     batch = PairCollator(processor, max_length=256, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)(
         [_pair(bad_images["exif"])])
     _, grid_h, grid_w = batch["image_grid_thw"][0].tolist()
-    assert grid_w > grid_h  # landscape, as stored
+    assert grid_h > grid_w  # portrait, as displayed
 
 
 @pytest.mark.parametrize("name", ["tall", "wide"])

@@ -51,8 +51,9 @@ class TruncationStats:
 
 
 def load_image(image: Any):
-    """A PIL RGB image from a path or a PIL image; :class:`BrokenImageError` naming the file if unreadable."""
-    from PIL import Image
+    """A PIL RGB image from a path (turned upright by its EXIF orientation, as a photo viewer shows it) or a
+    PIL image (taken as given); :class:`BrokenImageError` naming the file if unreadable."""
+    from PIL import Image, ImageOps
 
     if isinstance(image, Image.Image):
         return image.convert("RGB") if image.mode != "RGB" else image
@@ -60,7 +61,8 @@ def load_image(image: Any):
     try:
         with Image.open(path) as opened:
             opened.load()  # decode fully now: truncated files fail here, not in the processor
-            return opened.convert("RGB")
+            # phone photos are stored sideways with an orientation tag; training and scoring both read here
+            return ImageOps.exif_transpose(opened).convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:  # PIL raises all of these
         raise BrokenImageError(path, f"{type(exc).__name__}: {exc}") from exc
 

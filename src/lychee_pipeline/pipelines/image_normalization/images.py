@@ -60,7 +60,7 @@ def check_image(path: str, max_pixels: int, max_aspect_ratio: float = MAX_ASPECT
     an aspect ratio beyond `max_aspect_ratio` (the model's processor cannot resize those).
     """
     row: dict[str, Any] = {"path": path, "ok": False, "reason": None, "width": None, "height": None,
-                           "format": None, "mode": None, "frames": None, "size_bytes": None,
+                           "format": None, "mode": None, "frames": None, "orientation": None, "size_bytes": None,
                            "mtime_ns": None, "max_pixels": max_pixels}
     key = stat_key(path)
     if key is None:
@@ -87,8 +87,9 @@ def check_image(path: str, max_pixels: int, max_aspect_ratio: float = MAX_ASPECT
                     row["reason"] = f"aspect ratio too extreme: {image.width}x{image.height} > {max_aspect_ratio:g}:1"
                     return row
                 image.verify()
-            with Image.open(path) as image:
+            with Image.open(path) as image:  # verify() leaves the file unusable: decode from a fresh open
                 image.load()
+                row["orientation"] = exif_orientation(image)
     except Image.UnidentifiedImageError:
         row["reason"] = "not a decodable image"
         return row
@@ -100,6 +101,15 @@ def check_image(path: str, max_pixels: int, max_aspect_ratio: float = MAX_ASPECT
         return row
     row["ok"] = True
     return row
+
+
+def exif_orientation(image: Image.Image) -> int:
+    """The EXIF orientation tag (1-8; 1 when absent or unreadable): the loader turns the pixels by it."""
+    try:
+        value = int(image.getexif().get(0x0112, 1))
+    except (OSError, ValueError, TypeError, SyntaxError):  # a broken EXIF block: the pixels are used as stored
+        return 1
+    return value if 1 <= value <= 8 else 1
 
 
 def check_image_task(args: tuple[str, int]) -> dict[str, Any]:

@@ -48,9 +48,10 @@ def check_images(
     paths = sorted({p for p in (resolver.resolve(r)[0] for r in image_refs(ingested_records)) if p})
     previous: dict[str, dict[str, Any]] = {}
     if previous_manifest is not None and previous_manifest.num_rows:
-        for row in previous_manifest.to_pylist():
-            if row.get("max_pixels") == max_pixels:
-                previous[row["path"]] = row
+        if set(MANIFEST_SCHEMA.names) <= set(previous_manifest.column_names):  # older layouts: check again
+            for row in previous_manifest.to_pylist():
+                if row.get("max_pixels") == max_pixels:
+                    previous[row["path"]] = row
     rows: list[dict[str, Any]] = []
     todo: list[str] = []
     for path in paths:
