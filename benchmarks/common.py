@@ -297,12 +297,20 @@ def add_run_args(parser, seed: int) -> None:
     """Arguments every benchmark takes: the seed and the folder its output files go to ($OUT on the lent GPU)."""
     parser.add_argument("--seed", type=int, default=seed)
     parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                        help="weights and activations on CUDA (default bfloat16; float32 for exactness checks)")
 
 
-def pick_device(parser, tiny: bool) -> tuple[torch.device, torch.dtype]:
-    """CUDA in bf16 when there is a GPU; the CPU in fp32 only for the --tiny code-path check."""
+def pick_device(parser, args) -> tuple[torch.device, torch.dtype]:
+    """CUDA in bf16 (or --dtype) when there is a GPU; the CPU in fp32 only for the --tiny code-path check."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not tiny:
+    if device.type == "cpu" and not args.tiny:
         parser.error("the 7B benchmark needs a CUDA GPU; use --tiny on a CPU")
-    return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = args.dtype
+    if device.type == "cpu":
+        return device, torch.float32
+    if dtype == "float32":
+        torch.backends.cuda.matmul.allow_tf32 = False  # true fp32: the point of asking for it
+        torch.backends.cudnn.allow_tf32 = False
+    return device, getattr(torch, dtype or "bfloat16")
 

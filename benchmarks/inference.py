@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny-dir", default=None, help="where to build the tiny processor (default: a temp folder)")
     common.add_run_args(parser, seed=7)
     args = parser.parse_args(argv)
-    device, dtype = common.pick_device(parser, args.tiny)
+    device, dtype = common.pick_device(parser, args)
     env = common.environment(device)
     log(f"env {json.dumps(env)}")
     tiny_dir = args.tiny_dir or tempfile.mkdtemp(prefix="lychee_tiny_")

@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-peak-gib", type=float, default=40.0)
     common.add_run_args(parser, seed=1234)
     args = parser.parse_args(argv)
-    device, dtype = common.pick_device(parser, args.tiny)
+    device, dtype = common.pick_device(parser, args)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
