@@ -57,6 +57,7 @@ class TrainingParams(_Strict):
     warmup_ratio: float = Field(0.05, ge=0.0, lt=1.0)
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     max_grad_norm: float = Field(1.0, gt=0.0)
+    max_nonfinite_steps: PositiveInt = 5  # skipped non-finite steps in a row before the stage stops
     epochs: float = Field(1.0, gt=0.0)
     max_steps: PositiveInt | None = None
     seed: int = 42

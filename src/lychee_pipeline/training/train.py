@@ -23,12 +23,12 @@ import torch
 from accelerate import Accelerator, InitProcessGroupKwargs
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, Sampler
-from transformers import get_scheduler
 
 from lychee_pipeline.reranker import GroupCollator, ModelConfig, listwise_loss, load_reranker, pointwise_loss
 from lychee_pipeline.reranker.collate import max_pixels_at
 from lychee_pipeline.tracking import StageTracker
 from lychee_pipeline.training import checkpoints
+from lychee_pipeline.training.schedule import Schedule
 
 log = logging.getLogger("lychee_pipeline.training.train")
 
@@ -75,6 +75,22 @@ def fault_point(name: str) -> None:
         os.kill(os.getpid(), 9)
 
 
+def injected_nan(step: int) -> bool:
+    """Fault injection: LYCHEE_FAULT=nan_loss (every step), nan_loss_at_<k> or nan_loss_from_<k> (optimizer step k)."""
+    fault = os.environ.get("LYCHEE_FAULT", "")
+    if fault == "nan_loss":
+        return True
+    if fault.startswith("nan_loss_at_"):
+        return step == int(fault.rsplit("_", 1)[1])
+    if fault.startswith("nan_loss_from_"):
+        return step >= int(fault.rsplit("_", 1)[1])
+    return False
+
+
+class NonFiniteStop(RuntimeError):
+    """Too many non-finite optimizer steps in a row: the stage stops before it trains on garbage."""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--spec", required=True, type=Path)
@@ -83,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
 
     accelerator = Accelerator(
         gradient_accumulation_steps=train["gradient_accumulation_steps"],
+        # Accelerate would step a prepared scheduler once per process per optimizer step (N times too fast on
+        # N processes); we step it ourselves, exactly once per optimizer step of the run.
+        step_scheduler_with_optimizer=False,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=train["launch"]["process_group_timeout_s"]))],
     )
     logging.basicConfig(
@@ -113,9 +132,17 @@ def main(argv: list[str] | None = None) -> int:
         max_pixels=train["max_pixels"],
         seed=train["seed"],
     )
-    schedule = [(s["start"], s["max_pixels"]) for s in train["resolution_schedule"]]
-    collator.set_max_pixels(max_pixels_at(0.0, schedule, train["max_pixels"]))
+    schedule_pixels = [(s["start"], s["max_pixels"]) for s in train["resolution_schedule"]]
+    collator.set_max_pixels(max_pixels_at(0.0, schedule_pixels, train["max_pixels"]))
     sampler = EpochPermutation(len(records), train["seed"])
+    trace_records = os.environ.get("LYCHEE_TRACE_RECORDS") == "1"  # tests: which records each step saw
+
+    def collate(idx: list[int]) -> dict:
+        batch = collator([records[i] for i in idx])
+        if trace_records:
+            batch["record_index"] = torch.tensor(idx)
+        return batch
+
     loader = DataLoader(
         range(len(records)),
         batch_size=train["per_device_batch_size"],
@@ -123,23 +150,19 @@ def main(argv: list[str] | None = None) -> int:
         # Its own generator: creating an iterator draws a seed, which must not move the global RNG
         # (dropout) or a resumed run would diverge from an uninterrupted one.
         generator=torch.Generator().manual_seed(train["seed"]),
-        collate_fn=lambda idx: collator([records[i] for i in idx]),
+        collate_fn=collate,
     )
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=train["learning_rate"], weight_decay=train["weight_decay"])
     steps_per_epoch = max(1, math.ceil(len(loader) / accelerator.num_processes / train["gradient_accumulation_steps"]))
     total_steps = train["max_steps"] or max(1, math.ceil(train["epochs"] * steps_per_epoch))
-    scheduler = get_scheduler(
-        train["scheduler"],
-        optimizer,
-        num_warmup_steps=int(train["warmup_ratio"] * total_steps),
-        num_training_steps=total_steps,
-    )
+    schedule = Schedule.for_run(train["scheduler"], total_steps, train["warmup_ratio"], train["learning_rate"])
+    scheduler = schedule.scheduler(optimizer)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
     # Resume from the newest intact checkpoint (a half-written or corrupted one is skipped, and said so).
     ckpt_root = out_dir / "checkpoints"
-    step, losses = 0, []
+    step, losses, learning_rates, skipped_steps = 0, [], [], []
     if train["resume"]:
         found, state, skipped = checkpoints.find_resumable(ckpt_root)
         for note in skipped:
@@ -148,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
             # Our own files, verified by sha256 above; tensors only (no arbitrary pickled objects).
             accelerator.load_state(str(found), load_kwargs={"weights_only": True})
             step, losses = state["step"], state["losses"]
-            log.info("resumed from %s at step %d", found, step)
+            learning_rates, skipped_steps = state.get("learning_rates", []), state.get("skipped_steps", [])
+            rebase_learning_rate(optimizer, scheduler, train["learning_rate"])
+            log.info("resumed from %s at step %d (epoch %d), learning rate %.3e", found, step,
+                     step // steps_per_epoch, scheduler.get_last_lr()[0])
 
     tracker = StageTracker(
         enabled=accelerator.is_main_process,
@@ -159,40 +185,65 @@ def main(argv: list[str] | None = None) -> int:
 
     pairs_per_step = train["group_size"] * train["per_device_batch_size"] * train["gradient_accumulation_steps"]
     pairs_per_step *= accelerator.num_processes
-    inject_nan = os.environ.get("LYCHEE_FAULT") == "nan_loss"  # the gate test's injected fault
+    nonfinite_in_a_row, traced = 0, []
     model.train()
     started, window_start, window_tokens = time.perf_counter(), time.perf_counter(), 0
     train_time, steps_timed = 0.0, 0
     epoch = step // steps_per_epoch
     while step < total_steps:
-        sampler.set_epoch(epoch)
+        # Through the prepared loader: Accelerate sets the sampler's epoch from its own counter on every
+        # iteration, which would replay epoch 0's order after a resume.
+        loader.set_epoch(epoch)
         collator.set_epoch(epoch)
         skip = (step - epoch * steps_per_epoch) * train["gradient_accumulation_steps"]
         epoch_loader = accelerator.skip_first_batches(loader, skip) if skip > 0 else loader
         for batch in epoch_loader:
             labels = batch.pop("labels")
             group_size = batch.pop("group_size")
+            record_index = batch.pop("record_index", None)
             window_tokens += int(batch["attention_mask"].sum())
+            if trace_records:  # every micro-batch of every rank, under the optimizer step it belongs to
+                traced.append([step + 1, accelerator.gather(record_index.to(accelerator.device)).tolist()])
             with accelerator.accumulate(model):
                 logits = model(**batch)
                 if train["loss"] == "pointwise":
                     loss = pointwise_loss(logits, labels)
                 else:
                     loss = listwise_loss(logits, group_size, train["temperature"])
-                if inject_nan:
+                if injected_nan(step + 1):
                     loss = loss * float("nan")
                 accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(trainable, train["max_grad_norm"])
-                optimizer.step()
-                scheduler.step()
+                if not accelerator.sync_gradients:
+                    continue
+                grad_norm = float(accelerator.clip_grad_norm_(trainable, train["max_grad_norm"]))
+                mean_loss = accelerator.reduce(loss.detach().float(), reduction="mean").item()
+                finite = math.isfinite(mean_loss) and math.isfinite(grad_norm)
+                if finite:  # a non-finite loss or gradient never reaches the weights
+                    optimizer.step()
+                scheduler.step()  # the schedule follows the run's step, skipped or not
                 optimizer.zero_grad()
-            if not accelerator.sync_gradients:
-                continue
             step += 1
-            collator.set_max_pixels(max_pixels_at(step / total_steps, schedule, train["max_pixels"]))
-            mean_loss = accelerator.reduce(loss.detach().float(), reduction="mean").item()
-            losses.append([step, mean_loss])
+            collator.set_max_pixels(max_pixels_at(step / total_steps, schedule_pixels, train["max_pixels"]))
+            learning_rates.append([step, scheduler.get_last_lr()[0]])
+            if finite:
+                losses.append([step, mean_loss])
+                nonfinite_in_a_row = 0
+            else:
+                skipped_steps.append([step, mean_loss, grad_norm])
+                nonfinite_in_a_row += 1
+                log.warning("step %d skipped: non-finite loss %s / gradient norm %s (%d in a row, %d in all)",
+                            step, mean_loss, grad_norm, nonfinite_in_a_row, len(skipped_steps))
+                tracker.log_metrics({"skipped_steps": len(skipped_steps)}, step=step)
+                if nonfinite_in_a_row >= train["max_nonfinite_steps"]:
+                    newest = checkpoints.list_checkpoints(ckpt_root)
+                    message = (
+                        f"stage {spec['stage']}: {nonfinite_in_a_row} non-finite steps in a row (steps "
+                        f"{step - nonfinite_in_a_row + 1}-{step}); last finite checkpoint: "
+                        f"{newest[0] if newest else 'none'}; resume with training.resume=true and a lower "
+                        "training.learning_rate"
+                    )
+                    log.error("%s", message)
+                    raise NonFiniteStop(message)
             now = time.perf_counter()
             elapsed, window_start = now - window_start, now
             tokens = accelerator.reduce(torch.tensor(window_tokens, device=accelerator.device), reduction="sum").item()
@@ -206,16 +257,20 @@ def main(argv: list[str] | None = None) -> int:
                     "pairs_per_s": pairs_per_step / elapsed,
                     "tokens_per_s": tokens / elapsed,
                     "peak_mem_gib": peak_memory_gib(accelerator.device),
+                    "grad_norm": grad_norm,
                 }
-                tracker.log_metrics(figures, step=step)
+                tracker.log_metrics({k: v for k, v in figures.items() if math.isfinite(v)}, step=step)
                 eta = (total_steps - step) * (now - started) / max(1, step)
                 log.info(
                     "step %d/%d loss %.4f lr %.2e pairs/s %.1f tokens/s %.0f ETA %ds",
                     step, total_steps, mean_loss, figures["learning_rate"], figures["pairs_per_s"],
                     figures["tokens_per_s"], int(eta),
                 )
-            if step % train["checkpoint_every"] == 0 and step < total_steps:
-                save_checkpoint(accelerator, ckpt_root, step, {"step": step, "losses": losses}, train["keep_last"])
+            # Never inside a run of non-finite steps: the newest checkpoint stays the last finite one.
+            if step % train["checkpoint_every"] == 0 and step < total_steps and nonfinite_in_a_row == 0:
+                state = {"step": step, "losses": losses, "learning_rates": learning_rates,
+                         "skipped_steps": skipped_steps}
+                save_checkpoint(accelerator, ckpt_root, step, state, train["keep_last"])
             fault_point(f"after_step_{step}")
             if step >= total_steps:
                 break
@@ -243,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
             "pairs_per_s": (steps_timed * pairs_per_step / train_time) if steps_timed else step * pairs_per_step / wall,
             "peak_mem_gib": peak.tolist(),
             "losses": losses,
+            "learning_rates": learning_rates,
+            "schedule": dataclasses.asdict(schedule),
+            "skipped_steps": skipped_steps,
             "final_loss": losses[-1][1] if losses else float("nan"),
             "replica_max_diff": replica_diff,
             "truncation": collator.stats.as_dict(),
@@ -252,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             "mlflow_run_id": tracker.run_id,
             "tracking_failures": tracker.failures,
         }
+        if trace_records:
+            result["records_seen"] = traced
         tracker.log_metrics({"final_loss": result["final_loss"], "stage_pairs_per_s": result["pairs_per_s"],
                              "replica_max_diff": replica_diff, "wall_time_s": wall})
         tracker.log_artifacts(str(adapter_dir), "adapter")
@@ -264,6 +324,19 @@ def main(argv: list[str] | None = None) -> int:
     accelerator.wait_for_everyone()  # ranks leave together: a rank that exits early can hang in gloo teardown
     accelerator.end_training()
     return 0
+
+
+def rebase_learning_rate(optimizer, scheduler, learning_rate: float) -> None:
+    """After a resume, a changed `training.learning_rate` takes effect on the restored schedule (at its step)."""
+    inner = getattr(scheduler, "scheduler", scheduler)
+    if all(abs(b - learning_rate) <= 1e-12 * learning_rate for b in inner.base_lrs):
+        return
+    log.info("learning rate changed on resume: %s -> %.3e", inner.base_lrs, learning_rate)
+    inner.base_lrs = [learning_rate] * len(inner.base_lrs)
+    for group, factor in zip(optimizer.param_groups, inner.lr_lambdas):
+        group["initial_lr"] = learning_rate
+        group["lr"] = learning_rate * factor(inner.last_epoch)
+    inner._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def save_checkpoint(accelerator: Accelerator, root: Path, step: int, state: dict, keep_last: int) -> None:

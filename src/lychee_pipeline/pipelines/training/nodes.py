@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from lychee_pipeline.training import checkpoints
 from lychee_pipeline.training.config import ModelParams, StageParams, TrainingParams, stage_devices
+from lychee_pipeline.training.schedule import Schedule
 from lychee_pipeline.training.launch import StageFailed, check_device_count, resolve_device, run_stage
 
 log = logging.getLogger(__name__)
@@ -245,12 +246,28 @@ def run_training_stage(training_data: str, plan: dict, devices: int, final: bool
     return result
 
 
+def schedule_problem(result: dict) -> str | None:
+    """Why the stage's logged learning rates do not follow its schedule to the end, or None."""
+    if "schedule" not in result or result["steps"] != result["schedule"]["total_steps"]:
+        return None  # a stage stopped early, or a result from before schedules were recorded
+    schedule = Schedule(**result["schedule"])
+    if len(result["learning_rates"]) != result["steps"]:
+        return f"{len(result['learning_rates'])} learning rates logged for {result['steps']} steps"
+    last_step, last_lr = result["learning_rates"][-1]
+    expected = schedule.lr_at(last_step)
+    if abs(last_lr - expected) > 1e-9 * schedule.base_lr + 1e-15:
+        return f"final learning rate {last_lr:.3e} at step {last_step}, the schedule ends at {expected:.3e}"
+    return None
+
+
 def check_stage(result: dict, plan: dict) -> dict:
     """The gate between stages: finite loss, a falling loss from 2 devices on, replicas in sync."""
     gate, where = plan["stages"]["gate"], f"(logs: {Path(result['adapter_dir']).parent / 'launch.log'})"
     losses = [loss for _, loss in result["losses"]]
     if gate["require_finite"] and (not losses or not all(math.isfinite(x) for x in losses)):
         bad = next((step for step, loss in result["losses"] if not math.isfinite(loss)), None)
+        if bad is None and result.get("skipped_steps"):  # every step was skipped as non-finite
+            bad = result["skipped_steps"][0][0]
         raise StageGateError(f"gate 'finite loss' failed for {result['stage']}: non-finite loss at step {bad} {where}")
     if result["devices"] >= gate["check_loss_fall_from_devices"] and len(losses) >= 3:
         third = max(1, len(losses) // 3)
@@ -260,6 +277,9 @@ def check_stage(result: dict, plan: dict) -> dict:
                 f"gate 'loss falls' failed for {result['stage']}: mean loss {first:.4f} over the first third "
                 f"vs {last:.4f} over the last (tolerance {gate['loss_fall_tolerance']}) {where}"
             )
+    lr_problem = schedule_problem(result)
+    if lr_problem:
+        raise StageGateError(f"gate 'learning-rate schedule' failed for {result['stage']}: {lr_problem} {where}")
     if result["replica_max_diff"] > gate["replica_tolerance"]:
         raise StageGateError(
             f"gate 'replicas in sync' failed for {result['stage']}: parameters differ across ranks by "
