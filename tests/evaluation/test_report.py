@@ -136,3 +136,14 @@ def test_loss_points_forms():
     assert loss_points([[10, 0.5]]) == [(10.0, 0.5)]
     assert loss_points([{"step": 3, "loss": 0.2}]) == [(3.0, 0.2)]
     assert loss_points(None) == []
+
+
+def test_learning_rate_plot_draws_one_line_per_stage():
+    from lychee_pipeline.evaluation.report import plot_learning_rates
+
+    fig = plot_learning_rates({"stage_1cpu": [[1, 1e-4], [2, 5e-5], [3, 0.0]], "stage_2cpu_final": [[1, 1e-4]]})
+    lines = fig.axes[0].get_lines()
+    assert [len(line.get_xdata()) for line in lines] == [3, 1]
+    assert list(lines[0].get_ydata()) == [1e-4, 5e-5, 0.0]
+    empty = plot_learning_rates({})
+    assert not empty.axes[0].get_lines()

@@ -26,7 +26,7 @@ METRIC_LABELS = {
     "recall_at_10": "Recall@10",
     "map": "MAP",
 }
-PLOT_FILES = ("loss_curves.png", "metric_bars.png", "task_type_bars.png", "scaling.png")
+PLOT_FILES = ("loss_curves.png", "learning_rates.png", "metric_bars.png", "task_type_bars.png", "scaling.png")
 
 
 # --------------------------------------------------------------------------- losses
@@ -277,6 +277,25 @@ def plot_loss_curves(stage_losses: Mapping[str, Any]) -> Figure:
     return fig
 
 
+def plot_learning_rates(stage_learning_rates: Mapping[str, Any]) -> Figure:
+    """The learning rate in force after each optimizer step, one line per stage: one warm-up and one decay each."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    drawn = False
+    for stage, rates in stage_learning_rates.items():
+        pts = loss_points(rates)  # the same [step, value] pairs as the losses
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None, label=stage)
+            drawn = True
+    if drawn:
+        ax.set(xlabel="step", ylabel="learning rate", title="Learning-rate schedule per stage")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    else:
+        _empty(ax, "no learning rates recorded")
+    return fig
+
+
 def _grouped_bars(ax: Any, groups: Sequence[str], series: Mapping[str, Sequence[float]]) -> None:
     x = np.arange(len(groups))
     width = 0.8 / max(len(series), 1)
@@ -347,11 +366,14 @@ def plot_scaling(scaling: Mapping[str, Any] | None) -> Figure:
     return fig
 
 
-def build_plots(document: Mapping[str, Any], stage_losses: Mapping[str, Any]) -> dict[str, Figure]:
-    """``{file name: figure}`` for the four plots in :data:`PLOT_FILES`."""
+def build_plots(
+    document: Mapping[str, Any], stage_losses: Mapping[str, Any], stage_learning_rates: Mapping[str, Any] | None = None
+) -> dict[str, Figure]:
+    """``{file name: figure}`` for the plots in :data:`PLOT_FILES`."""
     ranking = document.get("ranking") or {}
     return {
         "loss_curves.png": plot_loss_curves(stage_losses),
+        "learning_rates.png": plot_learning_rates(stage_learning_rates or {}),
         "metric_bars.png": plot_metric_bars(ranking),
         "task_type_bars.png": plot_task_type_bars(ranking),
         "scaling.png": plot_scaling(document.get("scaling")),

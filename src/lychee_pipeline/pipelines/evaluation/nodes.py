@@ -263,8 +263,9 @@ def build_report(
 ) -> tuple[dict[str, Any], str, dict[str, Any], dict[str, float]]:
     """The metrics document, the Markdown report, the plots ``{file name: Figure}`` and MLflow metrics."""
     losses = {stage_name(s, i): s.get("losses") or [] for i, s in enumerate(stage_results or [])}
+    learning_rates = {stage_name(s, i): s.get("learning_rates") or [] for i, s in enumerate(stage_results or [])}
     document = _jsonable(build_metrics_document(ranking_metrics, business_metrics, scaling, losses))
-    return document, render_markdown(document), build_plots(document, losses), mlflow_metrics(document)
+    return document, render_markdown(document), build_plots(document, losses, learning_rates), mlflow_metrics(document)
 
 
 def _jsonable(value: Any) -> Any:
