@@ -74,6 +74,13 @@ def test_smoke_is_tracked_in_mlflow(smoke_project):
         {"query_text": "red dress", "query_image": "", "doc_text": "blue leather shoes", "doc_image": ""},
     ]))
     assert len(scores) == 2 and all(0.0 < s < 1.0 for s in scores)
+    # The logged model is the fine-tuned stage, not the base model it would fall back to without its adapter.
+    from lychee_pipeline.reranker import Reranker
+
+    final = json.loads((smoke_project / "data/06_models/stage_results/all_stages.json").read_text())[-1]
+    stage_scores = Reranker.from_pretrained(final["adapter_dir"], device="cpu").score_pairs(
+        [({"text": "red dress"}, {"text": "a red cotton dress"}), ({"text": "red dress"}, {"text": "blue leather shoes"})])
+    assert list(scores) == pytest.approx(stage_scores, abs=1e-5)
 
 
 def test_full_pipeline_runs_stages_1_then_2_processes(tmp_path):
@@ -90,7 +97,12 @@ def test_full_pipeline_runs_stages_1_then_2_processes(tmp_path):
         ("stage_1cpu", 1, 3), ("stage_2cpu_final", 2, 6)]
     assert stages[1]["replica_max_diff"] == 0.0
     scaling = json.loads((root / "data/08_reporting/evaluation_metrics.json").read_text())
-    assert "scaling" in scaling
+    rows = scaling["scaling"]["rows"]
+    assert [(r["stage"], r["devices"]) for r in rows] == [("stage_1cpu", 1), ("stage_2cpu_final", 2)]
+    assert all(r["pairs_per_s"] > 0 for r in rows)
+    # one cosine decay per stage: the final stage's learning rate ends at zero at its last step
+    assert stages[1]["learning_rates"][-1] == [6, pytest.approx(0.0, abs=1e-15)]
+    assert max(lr for _, lr in stages[1]["learning_rates"]) == pytest.approx(2e-3)
     _, parents, children = _runs(root)
     assert len(parents) == 1 and {c.data.tags["stage"] for c in children} == {"stage_1cpu", "stage_2cpu_final"}
 

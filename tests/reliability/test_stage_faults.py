@@ -135,11 +135,11 @@ def test_rerun_reuses_finished_stage_and_relaunches_on_change(crashed_then_resum
         launches.append(spec["training"])
         return {**first, "relaunched": True}
 
-    # same parameters, intact adapter: the stored result, no process, within a second
+    # same parameters, intact adapter: the stored result, no process launched
     caplog.set_level(logging.INFO, logger=nodes.__name__)
-    started = time.perf_counter()
+    no_fault_env.setattr(nodes, "run_stage", fake_run_stage)
     again = run_training_stage(reliability_table, plan, devices=1, final=True)
-    assert time.perf_counter() - started < 2.0
+    assert launches == []
     assert again["reused"] is True and {k: v for k, v in again.items() if k != "reused"} == {
         k: v for k, v in first.items() if k != "reused"}
     assert "reusing the finished result" in caplog.text
@@ -147,7 +147,6 @@ def test_rerun_reuses_finished_stage_and_relaunches_on_change(crashed_then_resum
     assert run_training_stage(reliability_table, stage_plan(tmp, max_steps=4, checkpoint_every=1, resume=False,
                                                             launch={"timeout_s": 999}), 1, True)["reused"]
 
-    no_fault_env.setattr(nodes, "run_stage", fake_run_stage)
     # a changed parameter relaunches
     changed_plan = stage_plan(tmp, max_steps=4, checkpoint_every=1, learning_rate=2e-3)
     changed = run_training_stage(reliability_table, changed_plan, 1, True)
