@@ -124,3 +124,15 @@ def test_non_finite_steps_in_a_row_stop_the_stage_naming_the_last_finite_checkpo
     import os
 
     assert sorted(os.listdir(checkpoints)) == ["checkpoint-2"]  # kept: nothing was saved during the run of NaNs
+
+
+def test_listwise_batches_of_two_and_a_resolution_schedule_on_two_processes(tmp_path, training_table_path, traced):
+    """Options no other stage test runs: per_device_batch_size 2, listwise loss, a resolution ramp, linear decay."""
+    plan = _plan(tmp_path, gpus=2, per_device_batch_size=2, loss="listwise", scheduler="linear", warmup_ratio=0.0,
+                 resolution_schedule=[{"start": 0.0, "max_pixels": 3136}, {"start": 0.5, "max_pixels": 12544}])
+    result = run_training_stage(training_table_path, plan, devices=2, final=True)
+    assert result["steps"] == 6 and result["train_pairs"] == 6 * 2 * 2 * 4
+    assert sorted(i for _, idx in result["records_seen"] for i in idx) == list(range(RECORDS))
+    assert [lr for _, lr in result["learning_rates"]] == pytest.approx([1e-3 * (6 - s) / 6 for s in range(1, 7)])
+    assert all(math.isfinite(x) for _, x in result["losses"]) and result["replica_max_diff"] == 0.0
+    check_stage(result, plan)
