@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -17,11 +18,24 @@ from lychee_pipeline.schema import MODEL_INPUT_SCHEMA
 logger = logging.getLogger(__name__)
 
 
+def image_roots_of(value: Any) -> list[str]:
+    """`data.image_roots` as a list: a YAML list, or one string of roots separated by os.pathsep (':').
+
+    The string form is what works on the command line, where Kedro splits --params on commas:
+    ``--params "data.image_roots=/data/shop:/mnt/img"``.
+    """
+    if value is None:
+        return []
+    if isinstance(value, (str, os.PathLike)):
+        value = str(value).split(os.pathsep)
+    return [str(v).strip() for v in value if v is not None and str(v).strip()]
+
+
 def locate_raw_data(data: dict[str, Any], demo_data: dict[str, Any]) -> dict[str, Any]:
     """Describe the raw JSONL files and image roots: the user's (`data.raw_path`) or the generated demo data."""
     if data.get("raw_path"):
         files = jsonl_files(str(data["raw_path"]))
-        roots = data.get("image_roots") or [str(Path(files[0]).parent)]
+        roots = image_roots_of(data.get("image_roots")) or [str(Path(files[0]).parent)]
         source = {"files": files, "image_roots": [str(Path(r).expanduser().resolve()) for r in roots], "demo": False}
     else:
         demo = ensure_demo_data(demo_data)

@@ -14,7 +14,7 @@ def create_pipeline(**kwargs) -> Pipeline:
             node(locate_raw_data, ["params:data", "params:demo_data"], "raw_source", name="locate_raw_data"),
             node(
                 ingest_records,
-                ["raw_source", "params:data.ingestion"],
+                ["raw_source", "params:data_processing.ingestion"],
                 ["ingested_records", "rejected_lines", "ingestion_counts"],
                 name="parse_validate_dedup_records",
             ),
