@@ -57,6 +57,8 @@ def test_readme_local_parameters_run_the_data_pipeline(tmp_path):
     source = json.loads((root / "data/02_intermediate/raw_source.json").read_text())
     assert source["demo"] is False and len(source["image_roots"]) == 2
     assert not (root / "data/01_raw/demo").exists()
+    raw_files = json.loads((root / "data/02_intermediate/raw_files.json").read_text())
+    assert raw_files["read"] == 1 and raw_files["files"][0]["lines"] == shop["records"]
 
 
 def test_two_image_roots_on_the_command_line(tmp_path):
