@@ -7,6 +7,7 @@ import glob
 import gzip
 import hashlib
 import json
+import math
 import os
 import unicodedata
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 import pyarrow as pa
 from pydantic import ValidationError
 
-from lychee_pipeline.schema import MODEL_INPUT_SCHEMA, RawDoc, RawRecord
+from lychee_pipeline.schema import MODEL_INPUT_SCHEMA, RawDoc, RawRecord, strip_invisible
 
 _META_ENCODER = json.JSONEncoder(ensure_ascii=False, sort_keys=True, separators=(", ", ": "))
 _BOM = b"\xef\xbb\xbf"
@@ -30,8 +31,25 @@ def norm_text(value: str | None) -> str | None:
     """Unicode NFC, stripped; ``None`` for missing or empty text."""
     if value is None:
         return None
-    value = unicodedata.normalize("NFC", value).strip()
+    value = strip_invisible(unicodedata.normalize("NFC", value))
     return value or None
+
+
+def _non_finite(value: Any, loc: str) -> str | None:
+    """The location of the first NaN or infinite number inside a meta value, or ``None``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return loc
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = _non_finite(item, f"{loc}.{key}")
+        if found:
+            return found
+    return None
 
 
 def norm_ref(value: str | None) -> str | None:
@@ -122,6 +140,13 @@ def parse_record(text: str) -> tuple[dict[str, Any], str, str | None]:
         raw = RawRecord.model_validate_json(text)
     except ValidationError as error:
         raise RejectedLine(reason_of(error)) from None
+    metas = ([("pos_doc", raw.pos_doc)] if raw.pos_doc else []) + [
+        (f"{field}.{i}", d) for field in ("pos_docs", "neg_docs") for i, d in enumerate(getattr(raw, field) or [])]
+    for loc, doc in metas:
+        bad = doc.meta and _non_finite(doc.meta, f"{loc}.meta")
+        if bad:
+            raise RejectedLine(f"non-finite number (NaN, Infinity or out of range like 1e999) at '{bad}': "
+                               "not valid JSON")
     if isinstance(raw.query, str):
         query = {"text": norm_text(raw.query), "image": None}
     else:
