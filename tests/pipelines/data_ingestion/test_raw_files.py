@@ -36,6 +36,7 @@ def awkward_folder(tmp_path: Path) -> dict:
     (raw / "export.jsonl" / "part-00000").write_bytes(_lines("spark0", 2))
     (raw / "export.jsonl" / "part-00001.json.gz").write_bytes(gzip.compress(_lines("spark1", 3)))
     (raw / "export.jsonl" / "_SUCCESS").write_bytes(b"")
+    (raw / "export.jsonl" / "README.md").write_text("# export")
     (raw / "export.jsonl" / ".part-00000.crc").write_bytes(b"crc")
     (raw / ".ipynb_checkpoints" / "plain-checkpoint.jsonl").write_bytes(_lines("plain", 3))
     (raw / "utf16.jsonl").write_bytes(_lines("u16", 2).decode().encode("utf-16"))  # with BOM
@@ -45,7 +46,8 @@ def awkward_folder(tmp_path: Path) -> dict:
     read = {"plain.jsonl": 3, "upper.JSONL": 2, "lines.ndjson": 2, "part.jsonl.gz": 5, "part.jsonl.bz2": 2,
             "export.jsonl/part-00000": 2, "export.jsonl/part-00001.json.gz": 3}
     skipped = {".ipynb_checkpoints/": "hidden folder", "export.jsonl/_SUCCESS": "metadata file",
-               "export.jsonl/.part-00000.crc": "hidden file", "utf16.jsonl": "encoding UTF-16 LE",
+               "export.jsonl/.part-00000.crc": "hidden file",
+               "export.jsonl/README.md": "not a part file", "utf16.jsonl": "encoding UTF-16 LE",
                "notes.txt": "not a JSON lines file", "array.json": "extension .json is not read"}
     return {"raw": raw, "read": read, "skipped": skipped}
 

@@ -238,7 +238,10 @@ def _by_name(file: Path, in_export: bool) -> dict[str, Any] | None:
     if name.endswith(IMAGE_SUFFIXES):
         return None
     if in_export:
-        return _check_readable(str(file), "part file of a folder export")
+        stem = name.removesuffix(".gz").removesuffix(".bz2")
+        if name.startswith("part") or stem.endswith(".json") or "." not in stem:
+            return _check_readable(str(file), "part file of a folder export")
+        return _entry(str(file), "skipped", "not a part file of the folder export (part-*, *.json, no extension)")
     if name.endswith((".json", ".json.gz")):
         return _entry(str(file), "skipped", "extension .json is not read: rename it .jsonl if it holds one object "
                                             "per line")
