@@ -107,3 +107,13 @@ def test_a_file_in_another_encoding_is_refused_naming_it(tmp_path, data, name):
     path.write_bytes(raw)
     with pytest.raises(FileNotFoundError, match=f"encoding {name}"):
         locate_raw_data({"raw_path": str(path)}, {})
+
+
+def test_a_latin1_line_is_refused_naming_the_encoding(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(json.dumps({"query": "café crème", "pos_doc": {"text": "d"}}, ensure_ascii=False)
+                     .encode("latin-1") + b"\n" + _lines("ok", 1))
+    _, rejected, counts, raw_files = ingest_files(locate_raw_data({"raw_path": str(path)}, {}), {})
+    assert counts["lines_in"] == 2 == counts["clean"] + counts["rejected"] + counts["duplicates"]
+    assert rejected[0]["reason"].startswith("invalid UTF-8 at byte") and "Latin-1" in rejected[0]["reason"]
+    assert raw_files["files"][0]["rejected"] == 1 and raw_files["files"][0]["clean"] == 1

@@ -361,7 +361,7 @@ def parse_chunk(args: tuple[str, int, int, int, int]) -> dict[str, Any]:
                 try:
                     text = raw.decode("utf-8")
                 except UnicodeDecodeError as error:
-                    raise RejectedLine(f"invalid UTF-8 at byte {error.start}") from None
+                    raise RejectedLine(f"invalid UTF-8 at byte {error.start}{_latin1_hint(raw)}") from None
                 row, content, given_id = parse_record(text)
             except RejectedLine as reason:
                 rejected.append({"file": file, "line": number, "reason": str(reason),
@@ -377,6 +377,15 @@ def parse_chunk(args: tuple[str, int, int, int, int]) -> dict[str, Any]:
         batches.append(pa.RecordBatch.from_pylist(rows, schema=MODEL_INPUT_SCHEMA))
     table = pa.Table.from_batches(batches, schema=MODEL_INPUT_SCHEMA)
     return {"file": file, "table": table, "keys": keys, "rejected": rejected, "n_lines": number}
+
+
+def _latin1_hint(raw: bytes) -> str:
+    """A hint naming the likely encoding of a line that is not UTF-8 (Latin-1 / Windows-1252), or ''."""
+    try:
+        raw.decode("cp1252")
+    except UnicodeDecodeError:
+        return ""
+    return " (looks like Latin-1 / Windows-1252: re-save the file as UTF-8)"
 
 
 def read_line_at(file: str, offset: int) -> bytes:
