@@ -11,6 +11,22 @@ SPLITS = ("train", "val", "test")
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
+#: Invisible characters stripped with the whitespace around text: a text of only these is empty.
+ZERO_WIDTH = "\u200b\u200c\u200d\u2060\ufeff"
+
+
+def strip_invisible(value: str) -> str:
+    """Strip whitespace and zero-width characters (U+200B, U+200C, U+200D, U+2060, U+FEFF) at both ends."""
+    previous = None
+    while previous != value:
+        previous, value = value, value.strip().strip(ZERO_WIDTH)
+    return value
+
+
+def blank(value: str | None) -> bool:
+    """Whether a text is missing, or only whitespace and zero-width characters."""
+    return not value or not strip_invisible(value)
+
 
 class RawItem(BaseModel):
     """A query given as an object: text, image path, or both."""
@@ -46,9 +62,9 @@ class RawRecord(BaseModel):
     @classmethod
     def _query_not_empty(cls, value: str | RawItem) -> str | RawItem:
         if isinstance(value, str):
-            if not value.strip():
+            if blank(value):
                 raise ValueError("empty query")
-        elif not (value.text or "").strip() and not (value.image or "").strip():
+        elif blank(value.text) and not (value.image or "").strip():
             raise ValueError("empty query")
         return value
 
@@ -59,7 +75,7 @@ class RawRecord(BaseModel):
             raise ValueError("no positive")
         for kind, docs in (("positive", positives), ("negative", self.neg_docs or [])):
             for i, doc in enumerate(docs):
-                if not (doc.text or "").strip() and not (doc.image or "").strip():
+                if blank(doc.text) and not (doc.image or "").strip():
                     raise ValueError(f"empty document ({kind} {i} has neither text nor image)")
         return self
 

@@ -143,8 +143,8 @@ def test_mlflow_server_lists_runs_params_and_metrics(mlflow_server):
                   or "data" in t.get("kedro_command", "")]
     assert kedro_runs, sorted(tags)
     kedro_params = params[kedro_runs[0]]
-    assert kedro_params["data.split.seed"] == "42" and kedro_params["demo_data.n_records"] == "400"
-    assert "data.split.ratios.train" in kedro_params
+    assert kedro_params["data_processing.split.seed"] == "42" and kedro_params["demo_data.n_records"] == "400"
+    assert "data_processing.split.ratios.train" in kedro_params
 
     # the two smoke-like runs: parents with comparable figures, children with per-step curves
     (p300, s300), (p100, s100) = mlflow_server["runs"][300], mlflow_server["runs"][100]

@@ -21,7 +21,7 @@ LAYER_DIRS = ("01_raw", "02_intermediate", "03_primary", "04_feature", "05_model
 QUIET_ENV = {"KEDRO_DISABLE_TELEMETRY": "1", "MLFLOW_DISABLE_TELEMETRY": "1", "DO_NOT_TRACK": "1",
              "TOKENIZERS_PARALLELISM": "false"}
 # Small demo catalogue for the tests: enough records for every task type and a few images.
-DATA_PARAMS = "demo_data.n_products=80,demo_data.n_records=400,data.ingestion.workers=1,data.image_check.workers=1"
+DATA_PARAMS = "demo_data.n_products=80,demo_data.n_records=400,data_processing.ingestion.workers=1,data_processing.image_check.workers=1"
 
 
 def user_env(**extra: str) -> dict[str, str]:

@@ -10,15 +10,16 @@ from lychee_pipeline.datasets import ArrowTableDataset
 from lychee_pipeline.pipelines import data_ingestion, data_split, demo_data, image_normalization
 from lychee_pipeline.schema import MODEL_INPUT_SCHEMA
 
-DATA = {"raw_path": None, "image_roots": [], "ingestion": {"batch_size": 1000},
-        "image_check": {"workers": 1, "max_pixels": 1_000_000},
-        "normalization": {"policy": "quarantine", "min_negatives": 1},
-        "split": {"seed": 42, "ratios": {"train": 0.8, "val": 0.1, "test": 0.1}}}
+DATA = {"raw_path": None, "image_roots": []}
+PROCESSING = {"ingestion": {"batch_size": 1000},
+              "image_check": {"workers": 1, "max_pixels": 1_000_000},
+              "normalization": {"policy": "quarantine", "min_negatives": 1},
+              "split": {"seed": 42, "ratios": {"train": 0.8, "val": 0.1, "test": 0.1}}}
 
 
 def _catalog(data: dict, demo: dict, previous_manifest_path: str, sample_size: int = 5000) -> DataCatalog:
     datasets = {"params:data": data, "params:demo_data": demo, "params:smoke.sample_size": sample_size,
-                **{f"params:data.{k}": v for k, v in data.items() if isinstance(v, dict)}}
+                **{f"params:data_processing.{k}": v for k, v in PROCESSING.items()}}
     catalog = DataCatalog({k: MemoryDataset(v) for k, v in datasets.items()})
     catalog["previous_image_manifest"] = ArrowTableDataset(previous_manifest_path, missing_ok=True)
     return catalog

@@ -31,7 +31,7 @@ def _table(n_queries: int, per_query: int, pins: dict[int, str] | None = None) -
 
 def test_a_query_never_crosses_splits_and_ratios_hold():
     table = _table(200, 3)
-    train, val, test, counts = split_records(table, SPLIT)
+    train, val, test, counts = split_records(table, {**SPLIT, "method": "ordered"})  # exact ratios
     groups = [set(query_keys(part)) for part in (train, val, test)]
     assert not (groups[0] & groups[1] or groups[0] & groups[2] or groups[1] & groups[2])
     assert (counts["train_queries"], counts["val_queries"], counts["test_queries"]) == (160, 20, 20)
@@ -79,3 +79,34 @@ def test_collect_data_counts():
                                  {"quarantined": 1, "negatives_removed": 2}, {"train_size": 1}, _table(1, 1))
     assert counts == {"lines_in": 3, "clean": 2, "rejected": 1, "duplicates": 0, "quarantined": 1,
                       "negatives_removed": 2, "train_size": 1, "smoke_size": 1}
+
+
+def test_hash_split_never_moves_a_query_when_records_are_added_or_removed():
+    before = _table(300, 2)
+    grown = pa.concat_tables([before, _table(800, 2).slice(600)])  # 500 more queries
+    shrunk = before.slice(0, 200)
+    def where(table):
+        parts = split_records(table, SPLIT)[:3]
+        return {rid: name for name, part in zip(("train", "val", "test"), parts)
+                for rid in part.column("record_id").to_pylist()}
+    first, second, third = where(before), where(grown), where(shrunk)
+    assert all(second[rid] == name for rid, name in first.items())
+    assert all(first[rid] == name for rid, name in third.items())
+    counts = split_records(grown, SPLIT)[3]
+    assert abs(counts["train_ratio"] - 0.8) < 0.05 and abs(counts["val_ratio"] - 0.1) < 0.03
+    assert counts["train_queries"] + counts["val_queries"] + counts["test_queries"] == 800
+    assert not split_records(before, {**SPLIT, "seed": 8})[1].equals(split_records(before, SPLIT)[1])
+
+
+def test_hash_split_keeps_pins_and_groups():
+    table = _table(50, 2, pins={0: "test", 3: "val"})
+    train, val, test, _ = split_records(table, SPLIT)
+    ids = {name: set(p.column("record_id").to_pylist()) for name, p in zip(("train", "val", "test"), (train, val, test))}
+    assert {"r0", "r1"} <= ids["test"] and {"r2", "r3"} <= ids["val"]
+    groups = [set(query_keys(part)) for part in (train, val, test)]
+    assert not (groups[0] & groups[1] or groups[0] & groups[2] or groups[1] & groups[2])
+
+
+def test_unknown_split_method_is_refused():
+    with pytest.raises(ValueError, match="split.method"):
+        split_records(_table(3, 1), {**SPLIT, "method": "random"})

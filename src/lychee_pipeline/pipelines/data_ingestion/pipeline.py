@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kedro.pipeline import Pipeline, node
 
-from lychee_pipeline.pipelines.data_ingestion.nodes import ingest_records, locate_raw_data
+from lychee_pipeline.pipelines.data_ingestion.nodes import ingest_files, locate_raw_data
 
 
 def create_pipeline(**kwargs) -> Pipeline:
@@ -13,9 +13,9 @@ def create_pipeline(**kwargs) -> Pipeline:
         [
             node(locate_raw_data, ["params:data", "params:demo_data"], "raw_source", name="locate_raw_data"),
             node(
-                ingest_records,
-                ["raw_source", "params:data.ingestion"],
-                ["ingested_records", "rejected_lines", "ingestion_counts"],
+                ingest_files,
+                ["raw_source", "params:data_processing.ingestion"],
+                ["ingested_records", "rejected_lines", "ingestion_counts", "raw_files"],
                 name="parse_validate_dedup_records",
             ),
         ]

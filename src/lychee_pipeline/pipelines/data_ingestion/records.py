@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import bz2
 import glob
+import gzip
 import hashlib
 import json
+import math
 import os
 import unicodedata
 from pathlib import Path
@@ -13,7 +16,7 @@ from typing import Any
 import pyarrow as pa
 from pydantic import ValidationError
 
-from lychee_pipeline.schema import MODEL_INPUT_SCHEMA, RawDoc, RawRecord
+from lychee_pipeline.schema import MODEL_INPUT_SCHEMA, RawDoc, RawRecord, strip_invisible
 
 _META_ENCODER = json.JSONEncoder(ensure_ascii=False, sort_keys=True, separators=(", ", ": "))
 _BOM = b"\xef\xbb\xbf"
@@ -28,8 +31,25 @@ def norm_text(value: str | None) -> str | None:
     """Unicode NFC, stripped; ``None`` for missing or empty text."""
     if value is None:
         return None
-    value = unicodedata.normalize("NFC", value).strip()
+    value = strip_invisible(unicodedata.normalize("NFC", value))
     return value or None
+
+
+def _non_finite(value: Any, loc: str) -> str | None:
+    """The location of the first NaN or infinite number inside a meta value, or ``None``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return loc
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = _non_finite(item, f"{loc}.{key}")
+        if found:
+            return found
+    return None
 
 
 def norm_ref(value: str | None) -> str | None:
@@ -120,6 +140,13 @@ def parse_record(text: str) -> tuple[dict[str, Any], str, str | None]:
         raw = RawRecord.model_validate_json(text)
     except ValidationError as error:
         raise RejectedLine(reason_of(error)) from None
+    metas = ([("pos_doc", raw.pos_doc)] if raw.pos_doc else []) + [
+        (f"{field}.{i}", d) for field in ("pos_docs", "neg_docs") for i, d in enumerate(getattr(raw, field) or [])]
+    for loc, doc in metas:
+        bad = doc.meta and _non_finite(doc.meta, f"{loc}.meta")
+        if bad:
+            raise RejectedLine(f"non-finite number (NaN, Infinity or out of range like 1e999) at '{bad}': "
+                               "not valid JSON")
     if isinstance(raw.query, str):
         query = {"text": norm_text(raw.query), "image": None}
     else:
@@ -143,24 +170,153 @@ def parse_record(text: str) -> tuple[dict[str, Any], str, str | None]:
     return row, content, norm_text(raw.id)
 
 
-def jsonl_files(raw_path: str) -> list[str]:
-    """The JSONL files of a folder (recursively) or a glob, sorted."""
+#: Names read as JSON lines (lower-cased), optionally compressed (the compression is found by magic bytes).
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".jsonl.bz2", ".ndjson.bz2")
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".gif", ".webp", ".bmp", ".tif", ".tiff", ".heic", ".avif")
+_MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\x28\xb5\x2f\xfd": "zstd", b"PK\x03\x04": "zip"}
+_UTF_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32 LE"), (b"\x00\x00\xfe\xff", "UTF-32 BE"),
+             (b"\xff\xfe", "UTF-16 LE"), (b"\xfe\xff", "UTF-16 BE"))
+
+
+def compression_of(file: str) -> str | None:
+    """``gzip``, ``bzip2``, ``zstd``, ``zip`` from the file's first bytes; ``None`` for plain text."""
+    with open(file, "rb") as handle:
+        head = handle.read(4)
+    return next((name for magic, name in _MAGIC.items() if head.startswith(magic)), None)
+
+
+def open_raw(file: str):
+    """The file as a binary stream, decompressed (gzip, bzip2) when it is compressed."""
+    kind = compression_of(file)
+    if kind == "gzip":
+        return gzip.open(file, "rb")
+    if kind == "bzip2":
+        return bz2.open(file, "rb")
+    return open(file, "rb")
+
+
+def encoding_problem(file: str) -> str | None:
+    """Why a (decompressed) file is not UTF-8 JSON lines, from its first bytes; ``None`` when it may be."""
+    with open_raw(file) as handle:
+        head = handle.read(4)
+    for bom, name in _UTF_BOMS:
+        if head.startswith(bom):
+            return f"encoding {name} (byte-order mark {bom.hex(' ')}): re-save the file as UTF-8"
+    if len(head) >= 4 and head[1] == 0 and head[3] == 0 and head[0] and head[2]:
+        return "encoding UTF-16 LE without byte-order mark (every second byte is 0): re-save the file as UTF-8"
+    if len(head) >= 4 and head[0] == 0 and head[2] == 0 and head[1] and head[3]:
+        return "encoding UTF-16 BE without byte-order mark (every second byte is 0): re-save the file as UTF-8"
+    return None
+
+
+def _entry(file: str, status: str, reason: str, compression: str | None = None) -> dict[str, Any]:
+    return {"file": file, "status": status, "reason": reason, "compression": compression,
+            "lines": None, "clean": None, "rejected": None, "duplicates": None}
+
+
+def _check_readable(file: str, why: str) -> dict[str, Any]:
+    """An entry for a file chosen by name: read, or skipped for its compression or encoding."""
+    kind = compression_of(file)
+    if kind in ("zstd", "zip"):
+        return _entry(file, "skipped", f"{kind} compressed: not supported, decompress it (gzip and bzip2 are read)",
+                      kind)
+    problem = encoding_problem(file)
+    if problem:
+        return _entry(file, "skipped", problem, kind)
+    return _entry(file, "read", why, kind)
+
+
+def _by_name(file: Path, in_export: bool) -> dict[str, Any] | None:
+    """Classify one file found in a folder by its name; ``None`` for image files (only counted)."""
+    name = file.name.lower()
+    if name.startswith("."):
+        return _entry(str(file), "skipped", "hidden file")
+    if name.startswith("_"):
+        return _entry(str(file), "skipped", "metadata file (name starts with _)")
+    if name.endswith(JSONL_SUFFIXES):
+        return _check_readable(str(file), "JSON lines file")
+    if name.endswith(IMAGE_SUFFIXES):
+        return None
+    if in_export:
+        stem = name.removesuffix(".gz").removesuffix(".bz2")
+        if name.startswith("part") or stem.endswith(".json") or "." not in stem:
+            return _check_readable(str(file), "part file of a folder export")
+        return _entry(str(file), "skipped", "not a part file of the folder export (part-*, *.json, no extension)")
+    if name.endswith((".json", ".json.gz")):
+        return _entry(str(file), "skipped", "extension .json is not read: rename it .jsonl if it holds one object "
+                                            "per line")
+    return _entry(str(file), "skipped", "not a JSON lines file (.jsonl, .ndjson, optionally .gz / .bz2)")
+
+
+def _walk(folder: Path, in_export: bool) -> tuple[list[dict[str, Any]], int]:
+    """Every file under a folder (sorted), skipping hidden folders; also the number of image files seen."""
+    entries: list[dict[str, Any]] = []
+    images = 0
+    for current, dirs, files in os.walk(folder):
+        here = Path(current)
+        export_here = in_export or any(p.lower().endswith((".jsonl", ".ndjson")) for p in here.relative_to(folder).parts)
+        for name in sorted(dirs):
+            if name.startswith("."):
+                entries.append(_entry(str(here / name) + os.sep, "skipped", "hidden folder"))
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(files):
+            entry = _by_name(here / name, bool(export_here))
+            if entry is None:
+                images += 1
+            else:
+                entries.append(entry)
+    return entries, images
+
+
+def discover_files(raw_path: str) -> dict[str, Any]:
+    """Every file found at ``data.raw_path`` with whether it is read, and why (or why not).
+
+    A folder is walked recursively (hidden folders and files are skipped); a folder whose name ends in
+    ``.jsonl`` / ``.ndjson`` (a Spark or Hugging Face export) is read as its part files; a glob selects
+    JSON lines files and folders; a single file is read whatever its name. Compressed files (gzip, bzip2)
+    are recognised by their first bytes; UTF-16/32 files are skipped with the encoding as reason.
+    """
     path = Path(raw_path).expanduser()
+    images = 0
     if path.is_dir():
-        files = sorted(str(p) for p in path.rglob("*.jsonl"))
+        entries, images = _walk(path, path.name.lower().endswith((".jsonl", ".ndjson")))
     elif path.is_file():
-        files = [str(path)]
+        entries = [_check_readable(str(path), "the file named by data.raw_path")]
     else:
-        files = sorted(p for p in glob.glob(str(path), recursive=True) if p.endswith(".jsonl"))
+        entries = []
+        for match in sorted(glob.glob(str(path), recursive=True)):
+            if os.path.isdir(match):
+                if match.lower().rstrip(os.sep).endswith((".jsonl", ".ndjson")):
+                    found, n = _walk(Path(match), True)
+                    entries += found
+                    images += n
+            else:
+                entry = _by_name(Path(match), False)
+                if entry is None:
+                    images += 1
+                else:
+                    entries.append(entry)
+    entries.sort(key=lambda e: e["file"])
+    files = [e["file"] for e in entries if e["status"] == "read"]
     if not files:
-        raise FileNotFoundError(f"no JSONL files at data.raw_path={raw_path!r}")
-    return files
+        skipped = "; ".join(f"{e['file']}: {e['reason']}" for e in entries[:10])
+        raise FileNotFoundError(f"no JSON lines files to read at data.raw_path={raw_path!r}"
+                                + (f" ({skipped})" if skipped else ""))
+    return {"files": files, "entries": entries, "image_files": images}
+
+
+def jsonl_files(raw_path: str) -> list[str]:
+    """The JSON lines files read from a folder (recursively), a glob or one file, sorted."""
+    return discover_files(raw_path)["files"]
 
 
 def chunk_ranges(files: list[str], chunk_bytes: int) -> list[tuple[str, int, int]]:
     """Split files into (file, start, end) byte ranges that begin and end on line boundaries."""
     ranges = []
     for file in files:
+        if compression_of(file):
+            ranges.append((file, 0, -1))  # a compressed stream is read whole, in one range
+            continue
         size = os.path.getsize(file)
         start = 0
         with open(file, "rb") as handle:
@@ -188,11 +344,14 @@ def parse_chunk(args: tuple[str, int, int, int, int]) -> dict[str, Any]:
     keys: list[tuple[int, bytes, str | None, int]] = []  # local line, content digest, given id, byte offset
     rejected: list[dict[str, Any]] = []
     number = 0
-    with open(file, "rb") as handle:
+    whole = end < 0  # a compressed file: its decompressed stream, to the end
+    with open_raw(file) if whole else open(file, "rb") as handle:
         handle.seek(start)
         offset = start
-        while offset < end:
+        while whole or offset < end:
             raw = handle.readline()
+            if whole and not raw:
+                break
             number += 1
             line_offset, offset = offset, offset + len(raw)
             if line_offset == 0 and raw.startswith(_BOM):
@@ -202,7 +361,7 @@ def parse_chunk(args: tuple[str, int, int, int, int]) -> dict[str, Any]:
                 try:
                     text = raw.decode("utf-8")
                 except UnicodeDecodeError as error:
-                    raise RejectedLine(f"invalid UTF-8 at byte {error.start}") from None
+                    raise RejectedLine(f"invalid UTF-8 at byte {error.start}{_latin1_hint(raw)}") from None
                 row, content, given_id = parse_record(text)
             except RejectedLine as reason:
                 rejected.append({"file": file, "line": number, "reason": str(reason),
@@ -220,8 +379,17 @@ def parse_chunk(args: tuple[str, int, int, int, int]) -> dict[str, Any]:
     return {"file": file, "table": table, "keys": keys, "rejected": rejected, "n_lines": number}
 
 
+def _latin1_hint(raw: bytes) -> str:
+    """A hint naming the likely encoding of a line that is not UTF-8 (Latin-1 / Windows-1252), or ''."""
+    try:
+        raw.decode("cp1252")
+    except UnicodeDecodeError:
+        return ""
+    return " (looks like Latin-1 / Windows-1252: re-save the file as UTF-8)"
+
+
 def read_line_at(file: str, offset: int) -> bytes:
     """The raw line of ``file`` that starts at byte ``offset`` (without its line ending)."""
-    with open(file, "rb") as handle:
+    with open_raw(file) as handle:
         handle.seek(offset)
         return handle.readline().rstrip(b"\r\n")

@@ -31,11 +31,24 @@ def query_keys(records: pa.Table) -> list[str]:
     return [f"{t or ''}\x00{os.path.basename(i) if i else ''}" for t, i in zip(texts, images)]
 
 
+def _unit(seed: int, key: str) -> float:
+    """The query's seeded hash as a number in [0, 1): its place on the ratio line, independent of other queries."""
+    return int.from_bytes(_rank(seed, key)[:8], "big") / 2**64
+
+
 def split_records(normalized_records: pa.Table, split: dict[str, Any]) -> tuple[pa.Table, pa.Table, pa.Table, dict]:
-    """Assign whole query groups to train/val/test by seeded hash order and ratios, honouring pinned splits."""
+    """Assign whole query groups to train/val/test by a seeded hash of the query, honouring pinned splits.
+
+    ``method: hash`` (the default) puts a query in the split whose share of [0, 1) holds its hash, so adding
+    or removing other records never moves it (the ratios hold on average). ``method: ordered`` sorts the
+    queries by hash and cuts at exact ratios, which moves queries whenever the total changes.
+    """
     ratios = {name: float(split["ratios"][name]) for name in SPLITS}
     if any(r < 0 for r in ratios.values()) or abs(sum(ratios.values()) - 1.0) > 1e-6:
         raise ValueError(f"split.ratios must be non-negative and sum to 1, got {ratios}")
+    method = split.get("method", "hash")
+    if method not in ("hash", "ordered"):
+        raise ValueError(f"split.method must be 'hash' or 'ordered', got {method!r}")
     seed = int(split.get("seed", 0))
     keys = query_keys(normalized_records)
     pinned = normalized_records.column("split").to_pylist()
@@ -49,17 +62,29 @@ def split_records(normalized_records: pa.Table, split: dict[str, Any]) -> tuple[
     if conflicts:
         logger.warning("%d records pin a query to another split than its first pinned record; the first pin wins",
                        conflicts)
-    free = sorted({k for k in keys if k not in group_pin}, key=lambda k: _rank(seed, k))
-    n_train = round(len(free) * ratios["train"])
-    n_val = round(len(free) * ratios["val"])
     assigned = dict(group_pin)
-    for i, key in enumerate(free):
-        assigned[key] = "train" if i < n_train else "val" if i < n_train + n_val else "test"
+    if method == "hash":
+        cut_train, cut_val = ratios["train"], ratios["train"] + ratios["val"]
+        for key in keys:
+            if key not in assigned:
+                u = _unit(seed, key)
+                assigned[key] = "train" if u < cut_train else "val" if u < cut_val else "test"
+    else:
+        free = sorted({k for k in keys if k not in group_pin}, key=lambda k: _rank(seed, k))
+        n_train = round(len(free) * ratios["train"])
+        n_val = round(len(free) * ratios["val"])
+        for i, key in enumerate(free):
+            assigned[key] = "train" if i < n_train else "val" if i < n_train + n_val else "test"
     labels = pa.array([assigned[k] for k in keys], pa.string())
     table = normalized_records.set_column(normalized_records.schema.get_field_index("split"), "split", labels)
     parts = tuple(table.filter(pc.equal(labels, name)).cast(MODEL_INPUT_SCHEMA) for name in SPLITS)
     counts = {f"{name}_size": part.num_rows for name, part in zip(SPLITS, parts)}
-    counts.update({f"{name}_queries": n for name, n in Counter(assigned.values()).items()})
+    by_split = Counter(assigned.values())
+    counts.update({f"{name}_queries": n for name, n in by_split.items()})
+    for name in SPLITS:  # the achieved share of queries, to compare with the configured ratios
+        counts[f"{name}_ratio"] = round(by_split.get(name, 0) / len(assigned), 4) if assigned else 0.0
+        if ratios[name] > 0 and assigned and not by_split.get(name):
+            logger.warning("split: no query in %s (ratio %.3g): too few queries for the ratios", name, ratios[name])
     logger.info("split: %s", counts)
     return (*parts, counts)
 

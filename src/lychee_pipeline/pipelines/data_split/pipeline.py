@@ -13,13 +13,13 @@ def create_pipeline(**kwargs) -> Pipeline:
         [
             node(
                 split_records,
-                ["normalized_records", "params:data.split"],
+                ["normalized_records", "params:data_processing.split"],
                 ["train_records", "val_records", "test_records", "split_counts"],
                 name="split_by_query_group",
             ),
             node(
                 make_smoke_subset,
-                ["train_records", "params:smoke.sample_size", "params:data.split"],
+                ["train_records", "params:smoke.sample_size", "params:data_processing.split"],
                 "smoke_train_records",
                 name="sample_smoke_subset",
             ),

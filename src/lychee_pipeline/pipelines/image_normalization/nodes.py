@@ -96,6 +96,34 @@ def _fix(item: dict[str, Any], resolver: Resolver, status: dict[str, str | None]
     return None
 
 
+def _distinct_negatives(row: dict[str, Any], collapsed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The record's negatives less those that are one of its positives and repeats of an earlier negative.
+
+    A document is the same as another by doc_id or by content (text and image reference); each one dropped
+    is appended to ``collapsed`` with its reason.
+    """
+    positives = {}
+    for doc in row["positives"]:
+        positives.setdefault(doc["doc_id"], doc["doc_id"])
+        positives.setdefault((doc["text"], doc["image"]), doc["doc_id"])
+    seen: dict[Any, str] = {}
+    kept = []
+    for doc in row["negatives"]:
+        content = (doc["text"], doc["image"])
+        same = positives.get(doc["doc_id"]) or positives.get(content)
+        if same:
+            reason = f"also a positive ({same}): a false negative"
+        elif doc["doc_id"] in seen or content in seen:
+            reason = f"duplicate negative (listed again after {seen.get(doc['doc_id']) or seen[content]})"
+        else:
+            seen[doc["doc_id"]] = seen[content] = doc["doc_id"]
+            kept.append(doc)
+            continue
+        collapsed.append({"record_id": row["record_id"], "doc_id": doc["doc_id"], "image": doc["image"],
+                          "reason": reason})
+    return kept
+
+
 def normalize_records(
     ingested_records: pa.Table,
     image_manifest: pa.Table,
@@ -113,6 +141,7 @@ def normalize_records(
                                                                      image_manifest.column("reason").to_pylist())]))
     good_batches, bad_batches = [], []
     removed: list[dict[str, Any]] = []
+    collapsed: list[dict[str, Any]] = []  # negatives that are also a positive, or listed twice
     for batch in ingested_records.to_batches(max_chunksize=20000):
         good, bad = [], []
         for row in batch.to_pylist():
@@ -125,7 +154,7 @@ def normalize_records(
                 reason = f"positive {doc['doc_id']}: {problem}" if problem else None
             if not reason:
                 kept = []
-                for doc in row["negatives"]:
+                for doc in _distinct_negatives(row, collapsed):
                     problem = _fix(doc, resolver, status)
                     if problem:
                         removed.append({"record_id": row["record_id"], "doc_id": doc["doc_id"],
@@ -147,10 +176,12 @@ def normalize_records(
     if policy == "fail" and removed:
         raise ValueError(f"negative {removed[0]['doc_id']} of {removed[0]['record_id']}: {removed[0]['reason']}"
                          " (normalization.policy is 'fail')")
+    removed = collapsed + removed
     normalized = pa.Table.from_batches(good_batches, schema=MODEL_INPUT_SCHEMA)
     quarantined = pa.Table.from_batches(bad_batches, schema=QUARANTINE_SCHEMA)
     counts = {"records_in": ingested_records.num_rows, "normalized": normalized.num_rows,
               "quarantined": quarantined.num_rows, "negatives_removed": len(removed),
+              "negatives_collapsed": len(collapsed),
               "images_checked": image_manifest.num_rows,
               "images_bad": image_manifest.num_rows - int(pc.sum(image_manifest.column("ok")).as_py() or 0)}
     if counts["records_in"] != counts["normalized"] + counts["quarantined"]:

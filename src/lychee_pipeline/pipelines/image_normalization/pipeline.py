@@ -13,13 +13,13 @@ def create_pipeline(**kwargs) -> Pipeline:
         [
             node(
                 check_images,
-                ["ingested_records", "previous_image_manifest", "raw_source", "params:data.image_check"],
+                ["ingested_records", "previous_image_manifest", "raw_source", "params:data_processing.image_check"],
                 "image_manifest",
                 name="check_unique_images",
             ),
             node(
                 normalize_records,
-                ["ingested_records", "image_manifest", "raw_source", "params:data.normalization"],
+                ["ingested_records", "image_manifest", "raw_source", "params:data_processing.normalization"],
                 ["normalized_records", "quarantined_records", "removed_negatives", "normalization_counts"],
                 name="resolve_and_quarantine_records",
             ),
