@@ -68,7 +68,9 @@ class RunOutcomeHooks:
 
             active = mlflow.active_run()
             client = mlflow.MlflowClient()
-            client.set_tag(self._run_id, "failure_reason", "interrupted (Ctrl-C / SIGINT or SIGTERM)")
+            from lychee_pipeline.training.launch import interrupt_reason
+
+            client.set_tag(self._run_id, "failure_reason", interrupt_reason())
             if active is not None and active.info.run_id == self._run_id:
                 mlflow.end_run("KILLED")  # MLflow's own exit handler then finds no run to mark FINISHED
             else:

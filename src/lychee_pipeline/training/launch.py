@@ -58,8 +58,22 @@ class StageBusy(RuntimeError):
     """A stage folder is locked by a live process on this machine."""
 
 
+last_signal: str | None = None  # the signal our handler last turned into StageInterrupted
+
+
 def _raise_interrupted(signum: int, _frame: Any) -> None:
-    raise StageInterrupted(signal.Signals(signum).name)
+    global last_signal
+    last_signal = signal.Signals(signum).name
+    raise StageInterrupted(last_signal)
+
+
+def interrupt_reason(exc: BaseException | None = None) -> str:
+    """`interrupted by SIGTERM`, or `interrupted by SIGINT (Ctrl-C)` for a plain KeyboardInterrupt."""
+    if isinstance(exc, StageInterrupted):
+        return f"interrupted by {exc.signal_name}"
+    if exc is None and last_signal:
+        return f"interrupted by {last_signal}"
+    return "interrupted by SIGINT (Ctrl-C)"
 
 
 @contextlib.contextmanager
@@ -310,8 +324,7 @@ def _run_stage(
                         str(exc) or type(exc).__name__ if interrupted else f"{type(exc).__name__}: {exc}", process.pid)
             stop_process_group(process)
             reader.join(timeout=5)
-            reason = (f"interrupted ({exc})" if isinstance(exc, StageInterrupted) else "interrupted (SIGINT)"
-                      if interrupted else f"{type(exc).__name__}: {exc}")
+            reason = interrupt_reason(exc) if interrupted else f"{type(exc).__name__}: {exc}"
             end_stage_runs(tracking_env, "KILLED" if interrupted else "FAILED", reason)
             log.warning("stage %s: stopped; its folder %s is left for a resume (training.resume: true)",
                         spec["stage"], stage_dir)
