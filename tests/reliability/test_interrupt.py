@@ -207,3 +207,16 @@ def test_the_training_node_refuses_a_locked_folder_before_deleting_it(tmp_path, 
         owner.kill()
         owner.wait()
     assert (stage_dir / "keep.txt").exists()
+
+
+def test_a_parameter_error_ends_the_parent_run_failed_with_its_reason(tmp_path):
+    root = make_project_copy(tmp_path / "project")
+    proc, out = _kedro(root, "device=cpu,training.learning_rate=-1", "kedro.log", "--nodes", "plan_training_stages")
+    assert proc.wait(timeout=240) != 0
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("lychee_pipeline").experiment_id])
+    assert [r.info.status for r in runs] == ["FAILED"]
+    assert runs[0].data.tags["failure_reason"].startswith(
+        "ParameterError: invalid parameter training.learning_rate: Input should be greater than 0"), out.read_text()
