@@ -16,3 +16,7 @@ CONFIG_LOADER_ARGS = {
     # tests) never reuses the first project's cached sqlite store for the second.
     "custom_resolvers": {"abspath": lambda path: Path(path).resolve().as_posix()},
 }
+
+from lychee_pipeline.hooks import RunOutcomeHooks  # noqa: E402
+
+HOOKS = (RunOutcomeHooks(),)

@@ -62,3 +62,21 @@ def test_without_stages_or_dataset_size():
     assert scaling_report([], 100)["summary"] == "No stage ran, so there is no scaling verdict."
     report = scaling_report([stage("s1", 1, 10.0)], None)
     assert report["rows"][0]["epoch_time_s"] is None and report["most_cost_effective"] is None
+
+
+def test_efficiency_over_too_few_or_too_unequal_steps_is_marked_not_comparable():
+    report = scaling_report([stage("stage_1cpu", 1, 100.0, steps=10, device_type="cpu"),
+                             stage("stage_2cpu_final", 2, 196.0, steps=909, device_type="cpu")], full_train_pairs=36_000)
+    rows = {r["stage"]: r for r in report["rows"]}
+    final = rows["stage_2cpu_final"]
+    assert final["rate_steps"] == 908 and rows["stage_1cpu"]["rate_steps"] == 9
+    assert final["scaling_efficiency"] is None and final["relative_device_hours"] is None
+    assert final["raw_efficiency"] == pytest.approx(0.98) and final["comparable"] is False
+    assert final["not_comparable"] == ("rates rest on 908 and 9 timed steps (stage_2cpu_final vs stage_1cpu); "
+                                       "at least 20 each are needed")
+    assert rows["stage_1cpu"]["scaling_efficiency"] == 1.0
+    assert "98%" not in report["summary"]
+    unequal = scaling_report([stage("a", 1, 100.0, steps=41), stage("b", 2, 180.0, steps=401)], 36_000)["rows"][1]
+    assert unequal["scaling_efficiency"] is None and "more than 4x apart" in unequal["not_comparable"]
+    close = scaling_report([stage("a", 1, 100.0, steps=101), stage("b", 2, 180.0, steps=201)], 36_000)["rows"][1]
+    assert close["scaling_efficiency"] == pytest.approx(0.9) and close["comparable"] is True

@@ -222,15 +222,19 @@ def render_markdown(document: Mapping[str, Any], plots_dir: str = "plots") -> st
     if scaling.get("rows"):
         lines += [f"Full training set: {scaling.get('full_train_pairs')} pairs.", ""]
         lines += _table(
-            ["stage", "devices", "wall time (s)", "pairs/s", "efficiency", "peak mem/device (GiB)",
+            ["stage", "devices", "wall time (s)", "pairs/s (timed steps)", "efficiency", "peak mem/device (GiB)",
              "epoch (h)", "device-h/epoch", "relative device-h", "MRR@10"],
-            [[r["stage"], r["label"], _fmt(r["wall_time_s"], 1), _fmt(r["pairs_per_s"], 2),
-              (f"{100 * r['scaling_efficiency']:.0f}%" if _num(r.get("scaling_efficiency")) is not None else "–"),
+            [[r["stage"], r["label"], _fmt(r["wall_time_s"], 1),
+              _fmt(r["pairs_per_s"], 2) + (f" ({r['rate_steps']})" if r.get("rate_steps") is not None else ""),
+              (f"{100 * r['scaling_efficiency']:.0f}%" if _num(r.get("scaling_efficiency")) is not None
+               else "not comparable" if r.get("not_comparable") else "–"),
               ", ".join(f"{m:.2f}" for m in r["peak_mem_gib"]) or "–",
               _fmt(r["epoch_time_s"] / 3600 if _num(r["epoch_time_s"]) is not None else None, 3),
               _fmt(r["device_hours_per_epoch"], 3), _fmt(r.get("relative_device_hours"), 2), _fmt(r["mrr_at_10"])]
              for r in scaling["rows"]],
         )
+        lines += [f"{r['stage']}: efficiency not comparable: {r['not_comparable']}."
+                  for r in scaling["rows"] if r.get("not_comparable")]
         lines += ["", scaling.get("summary", "")]
     else:
         lines += ["No training stage ran."]
@@ -355,7 +359,8 @@ def plot_scaling(scaling: Mapping[str, Any] | None) -> Figure:
         ref = group[0]
         per_device = ref["pairs_per_s"] / ref["devices"]
         ax1.plot(n, [per_device * d for d in n], linestyle="--", label=f"linear ({kind})")
-        ax2.bar([f"{r['label']}\n{r['stage']}" for r in group],
+        ax2.bar([f"{r['label']}\n{r['stage']}" + ("\n(not comparable)" if r.get("not_comparable") else "")
+                 for r in group],
                 [100 * (r.get("scaling_efficiency") or 0.0) for r in group])
     ax1.set(xlabel="devices", ylabel="pairs / s", title="Training throughput")
     ax1.set_xticks(sorted({r["devices"] for r in rows}))

@@ -17,6 +17,14 @@ Per stage:
   ``relative_device_hours`` the same divided by the reference's (1 / efficiency).
 * ``peak_mem_gib_max`` and the per-device list.
 
+Comparability: a stage's ``pairs_per_s`` is timed over its steps after the first (``rate_steps``, from
+``steps``). A rate that rests on few steps (a 10-step check stage) is dominated by warm-up and noise, so an
+efficiency between it and a long final stage is not a scaling figure. When a row or its reference rests on
+fewer than ``MIN_RATE_STEPS`` timed steps, or the two differ by more than ``MAX_RATE_STEPS_RATIO`` times,
+``scaling_efficiency`` and ``relative_device_hours`` are ``None``, ``comparable`` is false and
+``not_comparable`` says why (the raw ratio stays in ``raw_efficiency``). Stages without ``steps`` are taken as
+comparable (older results).
+
 The most cost-effective device count is the one with the fewest device-hours per epoch (ties go to
 the faster, then to fewer devices).
 """
@@ -25,6 +33,32 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+
+MIN_RATE_STEPS = 20  # timed steps a rate must rest on before it is compared with another
+MAX_RATE_STEPS_RATIO = 4.0
+
+
+def rate_steps(stage: Mapping[str, Any]) -> int | None:
+    """The number of steps a stage's pairs/s rests on: all but the first (warm-up) step."""
+    steps = stage.get("steps")
+    if steps is None:
+        return None
+    steps = int(steps)
+    return steps - 1 if steps > 1 else steps
+
+
+def _why_not_comparable(row: Mapping[str, Any], ref: Mapping[str, Any]) -> str | None:
+    a, b = row.get("rate_steps"), ref.get("rate_steps")
+    if row is ref or a is None or b is None:
+        return None
+    if min(a, b) < MIN_RATE_STEPS:
+        return (f"rates rest on {a} and {b} timed steps ({row['stage']} vs {ref['stage']}); "
+                f"at least {MIN_RATE_STEPS} each are needed")
+    if max(a, b) / min(a, b) > MAX_RATE_STEPS_RATIO:
+        return (f"rates rest on {a} and {b} timed steps ({row['stage']} vs {ref['stage']}), "
+                f"more than {MAX_RATE_STEPS_RATIO:g}x apart")
+    return None
 
 
 def device_label(devices: int, device_type: str) -> str:
@@ -65,6 +99,8 @@ def _row(stage: Mapping[str, Any], index: int, full_train_pairs: int | None) -> 
         "epoch_time_s": epoch,
         "device_hours_per_epoch": devices * epoch / 3600.0 if epoch is not None else None,
         "mrr_at_10": float(mrr) if mrr is not None else None,
+        "steps": int(stage["steps"]) if stage.get("steps") is not None else None,
+        "rate_steps": rate_steps(stage),
     }
 
 
@@ -77,10 +113,15 @@ def scaling_report(stages: Sequence[Mapping[str, Any]], full_train_pairs: int | 
         per_device = ref["pairs_per_s"] / ref["devices"]
         for r in group:
             r["reference_devices"] = ref["devices"]
-            r["scaling_efficiency"] = r["pairs_per_s"] / (r["devices"] * per_device) if per_device > 0 else None
+            r["raw_efficiency"] = r["pairs_per_s"] / (r["devices"] * per_device) if per_device > 0 else None
             if r["device_hours_per_epoch"] is not None and ref["device_hours_per_epoch"]:
                 r["relative_device_hours"] = r["device_hours_per_epoch"] / ref["device_hours_per_epoch"]
             else:
+                r["relative_device_hours"] = None
+            why = _why_not_comparable(r, ref)
+            r["comparable"], r["not_comparable"] = why is None, why
+            r["scaling_efficiency"] = r["raw_efficiency"] if why is None else None
+            if why is not None:
                 r["relative_device_hours"] = None
     costed = [r for r in rows if r["device_hours_per_epoch"] is not None]
     best = min(costed, key=lambda r: (r["device_hours_per_epoch"], r["epoch_time_s"], r["devices"])) if costed else None
@@ -90,10 +131,12 @@ def scaling_report(stages: Sequence[Mapping[str, Any]], full_train_pairs: int | 
                    "The full training-set size is unknown, so no epoch time or cost could be projected.")
     else:
         unit = "GPU-hours" if best["device_type"] == "cuda" else "CPU-process-hours"
+        efficiency = (f"{100 * best['scaling_efficiency']:.0f}% scaling efficiency"
+                      if best["scaling_efficiency"] is not None else
+                      f"scaling efficiency not comparable: {best['not_comparable']}")
         summary = (
             f"Most cost-effective: {best['label']} ({best['stage']}), "
-            f"{best['device_hours_per_epoch']:.3g} {unit} per epoch at "
-            f"{100 * best['scaling_efficiency']:.0f}% scaling efficiency"
+            f"{best['device_hours_per_epoch']:.3g} {unit} per epoch at {efficiency}"
         )
         if fastest is not None and fastest is not best:
             fast_unit = "GPU-hours" if fastest["device_type"] == "cuda" else "CPU-process-hours"

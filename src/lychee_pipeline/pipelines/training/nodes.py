@@ -21,8 +21,14 @@ from pydantic import BaseModel, ValidationError
 
 from lychee_pipeline.training import checkpoints
 from lychee_pipeline.training.config import ModelParams, StageParams, TrainingParams, stage_devices
+from lychee_pipeline.training.launch import (
+    StageFailed,
+    check_device_count,
+    check_stage_lock,
+    resolve_device,
+    run_stage,
+)
 from lychee_pipeline.training.schedule import Schedule
-from lychee_pipeline.training.launch import StageFailed, check_device_count, resolve_device, run_stage
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +232,7 @@ def run_training_stage(training_data: str, plan: dict, devices: int, final: bool
         "training": training,
     }
     spec["spec_hash"] = spec_hash(spec)
+    check_stage_lock(stage_dir)  # a folder a live process still writes is neither reused nor deleted
     if training.get("reuse_finished", True):
         started = time.perf_counter()
         result, why = reusable_result(stage_dir, spec["spec_hash"])
