@@ -20,7 +20,7 @@ def test_two_cpu_processes_stay_in_sync(tmp_path, training_table_path):
     plan = _plan(tmp_path, gpus=2)
     result = run_training_stage(training_table_path, plan, devices=2, final=True)
     assert result["devices"] == 2 and result["device_type"] == "cpu"
-    assert result["steps"] == 6 and result["train_pairs"] == 6 * 4 * 2
+    assert result["steps"] == 6 and result["train_pairs"] == 48  # 6 steps x 2 processes x 1 group of 4 pairs
     assert result["replica_max_diff"] == 0.0  # gradients all-reduced: identical replicas
     assert len(result["peak_mem_gib"]) == 2
     check_stage(result, plan)
