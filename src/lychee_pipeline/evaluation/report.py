@@ -262,42 +262,34 @@ def _empty(ax: Any, text: str) -> None:
     ax.set_axis_off()
 
 
-def plot_loss_curves(stage_losses: Mapping[str, Any]) -> Figure:
-    """Training loss against step, one line per stage."""
+def _plot_stage_series(series: Mapping[str, Any], ylabel: str, title: str, nothing: str) -> Figure:
+    """One line per stage of ``[step, value]`` points (losses, learning rates)."""
     fig = _figure()
     ax = fig.add_subplot()
     drawn = False
-    for stage, losses in stage_losses.items():
-        pts = loss_points(losses)
+    for stage, values in series.items():
+        pts = loss_points(values)
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None, label=stage)
             drawn = True
     if drawn:
-        ax.set(xlabel="step", ylabel="training loss", title="Training loss per stage")
+        ax.set(xlabel="step", ylabel=ylabel, title=title)
         ax.legend()
         ax.grid(alpha=0.3)
     else:
-        _empty(ax, "no training losses recorded")
+        _empty(ax, nothing)
     return fig
+
+
+def plot_loss_curves(stage_losses: Mapping[str, Any]) -> Figure:
+    """Training loss against step, one line per stage."""
+    return _plot_stage_series(stage_losses, "training loss", "Training loss per stage", "no training losses recorded")
 
 
 def plot_learning_rates(stage_learning_rates: Mapping[str, Any]) -> Figure:
     """The learning rate in force after each optimizer step, one line per stage: one warm-up and one decay each."""
-    fig = _figure()
-    ax = fig.add_subplot()
-    drawn = False
-    for stage, rates in stage_learning_rates.items():
-        pts = loss_points(rates)  # the same [step, value] pairs as the losses
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None, label=stage)
-            drawn = True
-    if drawn:
-        ax.set(xlabel="step", ylabel="learning rate", title="Learning-rate schedule per stage")
-        ax.legend()
-        ax.grid(alpha=0.3)
-    else:
-        _empty(ax, "no learning rates recorded")
-    return fig
+    return _plot_stage_series(stage_learning_rates, "learning rate", "Learning-rate schedule per stage",
+                              "no learning rates recorded")
 
 
 def _grouped_bars(ax: Any, groups: Sequence[str], series: Mapping[str, Sequence[float]]) -> None:
