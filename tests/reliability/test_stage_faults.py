@@ -45,9 +45,12 @@ def test_one_rank_dies_the_other_is_stopped_and_both_are_quoted(tmp_path, reliab
     assert "timed out" not in message and elapsed < 120, (elapsed, message)
     assert "rank 0:" in message and "rank 1:" in message
     rank0, rank1 = message.split("  rank 0:")[1].split("  rank 1:")
-    # the survivor's last words: gloo reporting the lost peer, or (when torchrun's monitor stops it first, a race
-    # the launcher does not control) its own last step, the one after which rank 1 was killed
+    # The survivor stopped at the step after which rank 1 was killed: it never finished a step alone. Its last
+    # words are gloo reporting the lost peer, or its step 2 when torchrun's monitor stopped it first (a race
+    # between two fast reactions that the launcher does not control).
     assert "[default0]" in rank0 and ("remote worker" in rank0 or "step 2/8" in rank0), rank0
+    log_text = (Path(plan["run_dir"]) / "stage_2cpu_final" / "launch.log").read_text()
+    assert "[rank 0] step 2/8" in log_text and "step 3/8" not in log_text
     assert "[rank 1] started" in rank1 and "(no output)" not in rank1
     assert "per-rank logs:" in message
     logging.getLogger(__name__).info("rank death detected in %.1f s", elapsed)

@@ -125,6 +125,21 @@ def test_non_finite_steps_in_a_row_stop_the_stage_naming_the_last_finite_checkpo
 
     assert sorted(os.listdir(checkpoints)) == ["checkpoint-2"]  # kept: nothing was saved during the run of NaNs
 
+    # What the message says to do: resume from it at a lower learning rate. The restored schedule takes the new
+    # rate from step 3 on (cosine over 10 steps, no warm-up here: int(0.25 x 10) = 2 warm-up steps).
+    monkeypatch.delenv("LYCHEE_FAULT")
+    resumed_plan = _plan(tmp_path, gpus=2, max_steps=10, checkpoint_every=2, keep_last=1, max_nonfinite_steps=3,
+                         learning_rate=2e-4, resume=True)
+    result = run_training_stage(training_table_path, resumed_plan, devices=2, final=True)
+    log = open(plan["run_dir"] + "/stage_2cpu_final/launch.log").read()
+    assert "checkpoint-2 at step 2" in log and "learning rate changed on resume" in log
+    rates = dict((s, lr) for s, lr in result["learning_rates"])
+    assert rates[2] == pytest.approx(1e-3)  # before the resume: the old rate at the end of warm-up
+    for step in range(3, 11):
+        assert rates[step] == pytest.approx(cosine_lr(step, 10, 2, 2e-4), rel=1e-9, abs=1e-15), step
+    assert result["skipped_steps"] == [] and [s for s, _ in result["losses"]] == list(range(1, 11))
+    check_stage(result, resumed_plan)
+
 
 def test_listwise_batches_of_two_and_a_resolution_schedule_on_two_processes(tmp_path, training_table_path, traced):
     """Options no other stage test runs: per_device_batch_size 2, listwise loss, a resolution ramp, linear decay."""
