@@ -28,10 +28,11 @@ lock:
 	{ grep '^#' constraints.txt; .lock-venv/bin/python -m pip freeze --all --exclude-editable | sed 's/+cpu$$//'; } > constraints.txt.new
 	mv constraints.txt.new constraints.txt && rm -rf .lock-venv
 
-# Offline audit of the lock against security/pypa-advisories.json; pip-audit too where a service answers.
+# Offline audit of the lock against security/pypa-advisories.json, then pip-audit against the live service.
 audit: install
 	$(BIN)/python security/audit.py
 	$(BIN)/python security/audit.py --installed
+	$(BIN)/python -m pytest -q -m online tests/reliability/test_security.py
 
 smoke: install
 	$(BIN)/kedro run --pipeline smoke

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import sqlite3
 import time
 from pathlib import Path
@@ -131,8 +132,13 @@ def test_locked_mlflow_store_training_finishes_and_failure_is_recorded(crashed_t
 
 
 def test_rerun_reuses_finished_stage_and_relaunches_on_change(crashed_then_resumed, reliability_table,
-                                                              no_fault_env, caplog):
-    tmp, plan, first = crashed_then_resumed["tmp"], crashed_then_resumed["plan"], crashed_then_resumed["result"]
+                                                              no_fault_env, caplog, tmp_path):
+    # On a copy of the finished run: the relaunch below replaces the stage folder, which the other tests of
+    # the module fixture read (so they pass in any order).
+    tmp = tmp_path / "copy"
+    shutil.copytree(crashed_then_resumed["tmp"], tmp)
+    plan, first = stage_plan(tmp, max_steps=4, checkpoint_every=1), crashed_then_resumed["result"]
+    assert Path(plan["run_dir"]).is_relative_to(tmp) and (Path(plan["run_dir"]) / "stage_1cpu_final").is_dir()
     launches = []
 
     def fake_run_stage(stage_dir, spec, *args, **kwargs):  # stands in for a launch: records that it happened
@@ -144,8 +150,10 @@ def test_rerun_reuses_finished_stage_and_relaunches_on_change(crashed_then_resum
     no_fault_env.setattr(nodes, "run_stage", fake_run_stage)
     again = run_training_stage(reliability_table, plan, devices=1, final=True)
     assert launches == []
-    assert again["reused"] is True and {k: v for k, v in again.items() if k != "reused"} == {
-        k: v for k, v in first.items() if k != "reused"}
+    located = {"reused", "adapter_dir", "adapter_manifest"}  # the copy's own folders, not the original's
+    assert again["reused"] is True and {k: v for k, v in again.items() if k not in located} == {
+        k: v for k, v in first.items() if k not in located}
+    assert Path(again["adapter_dir"]).is_relative_to(tmp) and Path(again["adapter_manifest"]).is_relative_to(tmp)
     assert "reusing the finished result" in caplog.text
     # a timeout or the resume flag do not change what the stage computes: still reused
     assert run_training_stage(reliability_table, stage_plan(tmp, max_steps=4, checkpoint_every=1, resume=False,

@@ -1,4 +1,4 @@
-"""Training that is correct on N processes: real `accelerate launch` stages on CPU (1 and 2 gloo processes).
+"""Training that is correct on N processes: real `accelerate launch` stages on CPU (1, 2 and 3 gloo processes).
 
 The learning rate follows the analytic schedule of the run's optimizer step whatever the process count and
 accumulation; every record is seen once per epoch; a resume in epoch 1 continues the same sequence; a
@@ -59,6 +59,19 @@ def test_learning_rate_follows_the_schedule_on_n_processes(tmp_path, training_ta
     seen = sorted(i for _, indices in result["records_seen"] for i in indices)
     assert seen == list(range(RECORDS))
     check_stage(result, plan)  # the gate's schedule check passes
+
+
+def test_three_processes_see_every_record_once_per_epoch_with_an_uneven_split(tmp_path, training_table_path, traced):
+    """24 records over 3 ranks × 3 per batch: the last global batch has 6 real groups and 3 zero-weight pads."""
+    plan = _plan(tmp_path, gpus=3, per_device_batch_size=3, epochs=2, warmup_ratio=0.0)
+    result = run_training_stage(training_table_path, plan, devices=3, final=True)
+    assert result["devices"] == 3 and result["steps"] == 6  # 27 slots = 3 global batches per epoch
+    for epoch in (0, 1):
+        slots = [i for step, idx in result["records_seen"] if 3 * epoch < step <= 3 * epoch + 3 for i in idx]
+        assert sorted(i for i in slots if i >= 0) == list(range(RECORDS)), epoch  # no record twice, none missed
+        assert slots.count(-1) == 3
+    assert all(math.isfinite(x) for _, x in result["losses"]) and result["replica_max_diff"] == 0.0
+    check_stage(result, plan)
 
 
 def test_gate_refuses_a_schedule_that_did_not_end_where_planned(tmp_path, training_table_path, traced):

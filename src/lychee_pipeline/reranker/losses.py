@@ -11,12 +11,22 @@ import torch
 import torch.nn.functional as F
 
 
-def pointwise_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _weighted_mean(losses: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Mean of ``weights * losses`` over all items (a zero weight, e.g. a padding slot, contributes nothing)."""
+    if weights is None:
+        return losses.mean()
+    weights = weights.to(device=losses.device, dtype=torch.float32).reshape(-1)
+    if weights.numel() != losses.numel():
+        raise ValueError(f"{weights.numel()} weights for {losses.numel()} losses")
+    return (weights * losses).mean()
+
+
+def pointwise_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """SFT loss (the default): cross-entropy of the yes/no answer for every document, averaged.
 
     ``labels`` [N]: 1 for relevant (target ``yes``), 0 for not (target ``no``); values in between act
     as soft targets. Equals ``-mean(y * log p_yes + (1 - y) * log p_no)`` with
-    ``p = softmax(logits)``.
+    ``p = softmax(logits)``. ``weights`` [N] (optional) weigh each document's term; the mean stays over N.
     """
     if logits.dim() != 2 or logits.size(-1) != 2:
         raise ValueError(f"logits must be [N, 2] (yes, no), got {tuple(logits.shape)}")
@@ -24,7 +34,7 @@ def pointwise_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     if labels.numel() != logits.size(0):
         raise ValueError(f"{labels.numel()} labels for {logits.size(0)} documents")
     logp = F.log_softmax(logits.float(), dim=-1)
-    return -(labels * logp[:, 0] + (1.0 - labels) * logp[:, 1]).mean()
+    return _weighted_mean(-(labels * logp[:, 0] + (1.0 - labels) * logp[:, 1]), weights)
 
 
 def group_scores(logits: torch.Tensor, score: str = "yes_minus_no") -> torch.Tensor:
@@ -38,13 +48,18 @@ def group_scores(logits: torch.Tensor, score: str = "yes_minus_no") -> torch.Ten
 
 
 def listwise_loss(
-    logits: torch.Tensor, group_size: int, temperature: float = 1.0, score: str = "yes_minus_no"
+    logits: torch.Tensor,
+    group_size: int,
+    temperature: float = 1.0,
+    score: str = "yes_minus_no",
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Contrastive (InfoNCE) loss over each group of ``group_size`` documents, positive first.
 
     The score of a document is ``z_yes - z_no`` by default (the logit of p(yes), so the loss ranks
     exactly what inference returns); ``score="yes"`` uses the raw yes logit as in the paper's
-    contrastive baseline. Loss per group: ``-log softmax(scores / temperature)[0]``, averaged over groups.
+    contrastive baseline. Loss per group: ``-log softmax(scores / temperature)[0]``, averaged over groups
+    (``weights`` [groups], optional, weigh each group's term; the mean stays over all groups).
     """
     if logits.dim() != 2 or logits.size(-1) != 2:
         raise ValueError(f"logits must be [N, 2] (yes, no), got {tuple(logits.shape)}")
@@ -54,4 +69,4 @@ def listwise_loss(
         raise ValueError("temperature must be positive")
     scores = group_scores(logits, score).view(-1, group_size) / float(temperature)
     target = torch.zeros(scores.size(0), dtype=torch.long, device=scores.device)
-    return F.cross_entropy(scores, target)
+    return _weighted_mean(F.cross_entropy(scores, target, reduction="none"), weights)

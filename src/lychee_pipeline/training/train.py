@@ -22,34 +22,18 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator, InitProcessGroupKwargs
 from accelerate.utils import set_seed
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader
 
 from lychee_pipeline.reranker import GroupCollator, ModelConfig, listwise_loss, load_reranker, pointwise_loss
 from lychee_pipeline.reranker.collate import max_pixels_at
 from lychee_pipeline.tracking import StageTracker
 from lychee_pipeline.training import checkpoints
+from lychee_pipeline.training.sampling import EpochPermutation, Slot, SlotDataset, loss_scale
 from lychee_pipeline.training.schedule import Schedule
 
 log = logging.getLogger("lychee_pipeline.training.train")
 
 ADAPTER_MANIFEST = "adapter.manifest.json"
-
-
-class EpochPermutation(Sampler[int]):
-    """A fresh permutation of the records each epoch, from (seed, epoch) only, so a resumed run sees the same order."""
-
-    def __init__(self, n: int, seed: int):
-        self.n, self.seed, self.epoch = n, seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return iter(torch.randperm(self.n, generator=generator).tolist())
-
-    def __len__(self) -> int:
-        return self.n
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -134,17 +118,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     schedule_pixels = [(s["start"], s["max_pixels"]) for s in train["resolution_schedule"]]
     collator.set_max_pixels(max_pixels_at(0.0, schedule_pixels, train["max_pixels"]))
-    sampler = EpochPermutation(len(records), train["seed"])
+    # Padded to whole global batches with zero-weight slots: every record once per epoch, on any N.
+    sampler = EpochPermutation(len(records), train["seed"], accelerator.num_processes * train["per_device_batch_size"])
     trace_records = os.environ.get("LYCHEE_TRACE_RECORDS") == "1"  # tests: which records each step saw
+    group_size = train["group_size"]
 
-    def collate(idx: list[int]) -> dict:
-        batch = collator([records[i] for i in idx])
-        if trace_records:
-            batch["record_index"] = torch.tensor(idx)
+    def collate(slots: list[Slot]) -> dict:
+        batch = collator([records[s.record] for s in slots])
+        batch["group_weight"] = torch.tensor([s.weight for s in slots])
+        batch["loss_scale"] = loss_scale(slots, accelerator.num_processes)
+        if trace_records:  # padding slots traced as -1
+            batch["record_index"] = torch.tensor([s.record if s.weight else -1 for s in slots])
         return batch
 
     loader = DataLoader(
-        range(len(records)),
+        SlotDataset(len(records)),
         batch_size=train["per_device_batch_size"],
         sampler=sampler,
         # Its own generator: creating an iterator draws a seed, which must not move the global RNG
@@ -199,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         epoch_loader = accelerator.skip_first_batches(loader, skip) if skip > 0 else loader
         for batch in epoch_loader:
             labels = batch.pop("labels")
-            group_size = batch.pop("group_size")
+            batch.pop("group_size")
+            group_weight, scale = batch.pop("group_weight"), batch.pop("loss_scale")
             record_index = batch.pop("record_index", None)
             window_tokens += int(batch["attention_mask"].sum())
             if trace_records:  # every micro-batch of every rank, under the optimizer step it belongs to
@@ -207,9 +196,10 @@ def main(argv: list[str] | None = None) -> int:
             with accelerator.accumulate(model):
                 logits = model(**batch)
                 if train["loss"] == "pointwise":
-                    loss = pointwise_loss(logits, labels)
+                    loss = pointwise_loss(logits, labels, group_weight.repeat_interleave(group_size))
                 else:
-                    loss = listwise_loss(logits, group_size, train["temperature"])
+                    loss = listwise_loss(logits, group_size, train["temperature"], weights=group_weight)
+                loss = loss * scale  # the mean over the global batch's real groups (padding weighs 0)
                 if injected_nan(step + 1):
                     loss = loss * float("nan")
                 accelerator.backward(loss)

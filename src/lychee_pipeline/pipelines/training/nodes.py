@@ -184,10 +184,15 @@ _NOT_HASHED_LAUNCH = {"timeout_s", "process_group_timeout_s", "main_process_port
 
 
 def spec_hash(spec: dict[str, Any]) -> str:
-    """sha256 of what determines a stage's outcome: its spec (less timeouts / resume flags) and its data bytes."""
+    """sha256 of what determines a stage's outcome: its spec (less timeouts / resume flags) and its data bytes.
+
+    Locations (the stage folder, the data file's path) are not hashed, so a copied or moved project reuses
+    its finished stages; the data file's bytes are.
+    """
     training = {k: v for k, v in spec["training"].items() if k not in _NOT_HASHED}
     training["launch"] = {k: v for k, v in training["launch"].items() if k not in _NOT_HASHED_LAUNCH}
-    digest = hashlib.sha256(json.dumps({**spec, "training": training}, sort_keys=True, default=str).encode())
+    outcome = {k: v for k, v in spec.items() if k not in ("output_dir", "data_path", "spec_hash")}
+    digest = hashlib.sha256(json.dumps({**outcome, "training": training}, sort_keys=True, default=str).encode())
     digest.update(checkpoints.sha256_file(Path(spec["data_path"])).encode())
     return digest.hexdigest()
 
@@ -205,10 +210,13 @@ def reusable_result(stage_dir: Path, wanted_hash: str) -> tuple[dict | None, str
         return None, "parameters or training data changed (spec hash differs)"
     if not result.get("adapter_manifest") or not result.get("adapter_dir"):
         return None, "no adapter manifest recorded"
-    problem = checkpoints.verify_folder(Path(result["adapter_dir"]), Path(result["adapter_manifest"]))
+    # Read where the stage folder is now (a copied or moved project), not where it was written.
+    adapter_dir, manifest = stage_dir / Path(result["adapter_dir"]).name, stage_dir / Path(result["adapter_manifest"]).name
+    problem = checkpoints.verify_folder(adapter_dir, manifest)
     if problem:
         return None, f"adapter does not verify: {problem}"
-    return result, "finished, spec and adapter unchanged"
+    return {**result, "adapter_dir": str(adapter_dir), "adapter_manifest": str(manifest)}, \
+        "finished, spec and adapter unchanged"
 
 
 def run_training_stage(training_data: str, plan: dict, devices: int, final: bool) -> dict[str, Any]:
