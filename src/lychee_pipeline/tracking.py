@@ -104,21 +104,21 @@ def log_reranker_model(adapter_dir: str, base: str, artifact_name: str = "rerank
     from pathlib import Path
 
     import mlflow
-    import pandas as pd
-    from mlflow.models import infer_signature
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, Schema
 
     if mlflow.active_run() is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "reranker.json"
         config.write_text(json.dumps({"base": base}))
-        example = pd.DataFrame(
-            [{"query_text": "red dress", "query_image": "", "doc_text": "a red cotton dress", "doc_image": ""}]
-        )
+        # Any of the item columns may be empty; `task_type` (optional) is the record's, as in training.
+        columns = [ColSpec("string", name) for name in ("query_text", "query_image", "doc_text", "doc_image")]
         info = mlflow.pyfunc.log_model(
             name=artifact_name,
             python_model=str(Path(__file__).with_name("mlflow_model.py")),
             artifacts={"adapter": adapter_dir, "config": str(config)},
-            signature=infer_signature(example, [0.5]),
+            signature=ModelSignature(inputs=Schema([*columns, ColSpec("string", "task_type", required=False)]),
+                                     outputs=Schema([ColSpec("double")])),
         )
     return info.model_uri

@@ -23,6 +23,7 @@ _EXPORTS = {
     "pointwise_loss": "losses",
     "listwise_loss": "losses",
     "Reranker": "inference",
+    "ProcessingConfig": "processing",
 }
 
 __all__ = list(_EXPORTS)

@@ -6,6 +6,7 @@ little padding; results come back in input order. Runs under ``torch.inference_m
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,11 @@ from typing import Any
 import torch
 
 from .collate import DEFAULT_MAX_LENGTH, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PairCollator
-from .model import LycheeReranker, ModelConfig, load_reranker, read_metadata
+from .model import LycheeReranker, ModelConfig, load_reranker, processing_of, read_metadata
+from .processing import ProcessingConfig
+from .prompt import instruction_for
+
+log = logging.getLogger(__name__)
 
 Item = Mapping[str, Any]
 
@@ -41,6 +46,7 @@ class Reranker:
         self.batch_size = int(batch_size)
         self.chunk_size = int(batch_size) * max(int(chunk_batches), 1)
         self.collator = PairCollator(model.processor, max_length, min_pixels, max_pixels, instructions)
+        self.processing = ProcessingConfig(max_length, min_pixels, max_pixels, instructions)
 
     @classmethod
     def from_pretrained(
@@ -49,9 +55,9 @@ class Reranker:
         adapter: str | None = None,
         device: str | torch.device | None = "auto",
         batch_size: int = 32,
-        max_length: int = DEFAULT_MAX_LENGTH,
-        min_pixels: int = DEFAULT_MIN_PIXELS,
-        max_pixels: int = DEFAULT_MAX_PIXELS,
+        max_length: int | None = None,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
         instructions: Mapping[str, str] | None = None,
         dtype: str = "auto",
         attn_implementation: str = "sdpa",
@@ -62,6 +68,10 @@ class Reranker:
 
         A folder saved by ``LycheeReranker.save_pretrained`` that holds only an adapter may be passed
         as ``name_or_path``: its base model is read from its metadata.
+
+        ``max_length``, ``min_pixels``, ``max_pixels`` and ``instructions`` left as None are those the saved
+        model was trained with (its metadata's processing settings), else the library defaults; a value
+        given here overrides them.
         """
         if adapter is None and Path(name_or_path).is_dir():
             meta = read_metadata(name_or_path)
@@ -78,15 +88,32 @@ class Reranker:
         )
         model = load_reranker(cfg, device)
         model.eval()
-        return cls(model, batch_size, max_length, min_pixels, max_pixels, instructions)
+        trained = processing_of(adapter) if adapter is not None else processing_of(name_or_path)
+        settings = (trained or ProcessingConfig()).overridden(
+            max_length=max_length, min_pixels=min_pixels, max_pixels=max_pixels, instructions=instructions)
+        log.info("scoring with %s processing settings%s: %s", "the trained" if trained else "the default",
+                 " (overridden by the caller)" if settings != (trained or ProcessingConfig()) else "",
+                 settings.as_dict())
+        return cls(model, batch_size, settings.max_length, settings.min_pixels, settings.max_pixels,
+                   settings.instructions)
 
     # -- scoring ----------------------------------------------------------------------------------
-    def score_pairs(self, pairs: Sequence[Sequence[Any]]) -> list[float]:
+    def score_pairs(self, pairs: Sequence[Sequence[Any]], task_types: Sequence[str | None] | None = None) -> list[float]:
         """p(yes) for each ``(query, doc)`` or ``(query, doc, instruction)`` pair, in input order.
+
+        ``task_types`` (optional, one per pair): the task type whose instruction a pair gets, as training
+        gives every document of a record its record's ``task_type``; pass the records' task types to score as
+        trained. Without one (or for None), the instruction follows the pair's own modalities.
 
         Pairs are sorted by length within chunks (little padding). Each batch's scores stay on the device
         until the next batch is encoded on the host, so image decoding and tokenization overlap the GPU.
         """
+        if task_types is not None:
+            if len(task_types) != len(pairs):
+                raise ValueError(f"{len(task_types)} task types for {len(pairs)} pairs")
+            pairs = [pair if len(pair) == 3 or task is None
+                     else (pair[0], pair[1], instruction_for(task, self.collator.instructions))
+                     for pair, task in zip(pairs, task_types)]
         scores: list[float] = [0.0] * len(pairs)
         was_training = self.model.training
         self.model.eval()

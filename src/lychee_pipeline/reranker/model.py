@@ -13,10 +13,13 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from .processing import ProcessingConfig
 
 FINETUNE_MODES = ("lora", "qlora", "full", "frozen")
 # language-model attention projections only: anything under `visual` (the vision tower) is excluded
@@ -283,7 +286,7 @@ class LycheeReranker(nn.Module):
         return torch.softmax(logits.float(), dim=-1)[:, 0]
 
     # -- saving --------------------------------------------------------------------------------
-    def _write_metadata(self, out: Path, kind: str) -> None:
+    def _write_metadata(self, out: Path, kind: str, processing: ProcessingConfig | None) -> None:
         meta = {
             "format": kind,
             "base_model": self.config.name_or_path,
@@ -292,10 +295,13 @@ class LycheeReranker(nn.Module):
             "no_id": self.no_id,
             "config": asdict(self.config),
         }
+        if processing is not None:  # what the model was trained with; Reranker.from_pretrained scores with it
+            meta["processing"] = processing.as_dict()
         (out / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
 
-    def save_pretrained(self, out_dir: str | os.PathLike) -> Path:
-        """LoRA: the adapter (peft, safetensors); otherwise the full weights (safetensors); plus the processor."""
+    def save_pretrained(self, out_dir: str | os.PathLike, processing: ProcessingConfig | None = None) -> Path:
+        """LoRA: the adapter (peft, safetensors); otherwise the full weights (safetensors); plus the processor
+        and the metadata (with the processing settings the model was trained with, when given)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         if self.is_peft:
@@ -305,10 +311,10 @@ class LycheeReranker(nn.Module):
             self.backbone.save_pretrained(out)  # transformers 5 writes safetensors only
             kind = "full"
         save_processor(self.processor, out)
-        self._write_metadata(out, kind)
+        self._write_metadata(out, kind, processing)
         return out
 
-    def merge_and_save(self, out_dir: str | os.PathLike) -> Path:
+    def merge_and_save(self, out_dir: str | os.PathLike, processing: ProcessingConfig | None = None) -> Path:
         """Export a merged full model (LoRA folded into the weights) + processor; the module is unchanged."""
         import copy
 
@@ -322,7 +328,9 @@ class LycheeReranker(nn.Module):
             merged = self.backbone
         merged.save_pretrained(out)
         save_processor(self.processor, out)
-        self._write_metadata(out, "merged")
+        if processing is None:  # a merged export keeps the processing settings of what it was loaded from
+            processing = processing_of(self.config.adapter or self.config.name_or_path)
+        self._write_metadata(out, "merged", processing)
         return out
 
 
@@ -355,6 +363,16 @@ def read_metadata(folder: str | os.PathLike) -> dict[str, Any] | None:
     if path.is_file():
         return json.loads(path.read_text())
     return None
+
+
+def processing_of(folder: str | os.PathLike) -> ProcessingConfig | None:
+    """The processing settings a saved folder was trained with (None for a hub id or an older folder)."""
+    from .processing import ProcessingConfig
+
+    meta = read_metadata(folder) if Path(folder).is_dir() else None
+    if not meta or not meta.get("processing"):
+        return None
+    return ProcessingConfig.from_dict(meta["processing"])
 
 
 def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") -> LycheeReranker:

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from lychee_pipeline.reranker import GroupCollator, ModelConfig, listwise_loss, load_reranker, pointwise_loss
 from lychee_pipeline.reranker.collate import max_pixels_at
+from lychee_pipeline.reranker.processing import ProcessingConfig
 from lychee_pipeline.tracking import StageTracker
 from lychee_pipeline.training import checkpoints
 from lychee_pipeline.training.sampling import EpochPermutation, Slot, SlotDataset, loss_scale
@@ -273,7 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         adapter_dir = out_dir / "adapter"
-        accelerator.unwrap_model(model).save_pretrained(adapter_dir)
+        # Saved with the adapter: evaluation, the MLflow model and Reranker.from_pretrained score with these.
+        trained_with = ProcessingConfig(max_length=train["max_length"], min_pixels=train["min_pixels"],
+                                        max_pixels=max_pixels_at(1.0, schedule_pixels, train["max_pixels"]))
+        accelerator.unwrap_model(model).save_pretrained(adapter_dir, processing=trained_with)
         # sha256 of every adapter file: a re-run reuses this stage only while they still match.
         checkpoints.write_folder_manifest(adapter_dir, out_dir / ADAPTER_MANIFEST)
         wall = time.perf_counter() - started
@@ -294,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             "final_loss": losses[-1][1] if losses else float("nan"),
             "replica_max_diff": replica_diff,
             "truncation": collator.stats.as_dict(),
+            "processing": trained_with.as_dict(),
             "adapter_dir": str(adapter_dir),
             "adapter_manifest": str(out_dir / ADAPTER_MANIFEST),
             "spec_hash": spec.get("spec_hash"),

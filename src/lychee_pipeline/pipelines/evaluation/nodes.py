@@ -131,13 +131,15 @@ def score_candidates(queries: Sequence[Mapping[str, Any]], model: str, reranker:
     """Scores of one model on every query's candidates, as rows of the long scores table.
 
     All (query, candidate) pairs go to ``reranker.score_pairs`` at once, so the reranker can sort them
-    by length and batch them across queries; it picks each pair's instruction from its task type.
+    by length and batch them across queries. Each pair's instruction follows its query's task type, as in
+    training (where a record's task type sets every document's instruction).
     """
     pairs = [(q["query"], c["item"]) for q in queries for c in q["candidates"]]
+    task_types = [q["task_type"] for q in queries for _ in q["candidates"]]
     step = 1024  # large slices keep the reranker's length sorting useful and the progress bar moving
     values: list[float] = []
     for start in tqdm(range(0, len(pairs), step), desc=f"scoring with {model}", unit="slice", disable=None):
-        values.extend(reranker.score_pairs(pairs[start : start + step]))
+        values.extend(reranker.score_pairs(pairs[start : start + step], task_types[start : start + step]))
     if len(values) != len(pairs):
         raise RuntimeError(f"{model}: {len(values)} scores for {len(pairs)} pairs")
     rows, it = [], iter(values)
