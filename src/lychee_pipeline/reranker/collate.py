@@ -357,6 +357,9 @@ def sample_group(
 
 @dataclass
 class FillStats:
+    """Counts of the groups this collator built (a loader that reads ahead collates a batch or two more than
+    are trained on)."""
+
     groups: int = 0  # groups built
     filled_groups: int = 0  # groups with at least one slot filled from other records
     filled_slots: int = 0  # negatives drawn from other records' documents (hard=False)
