@@ -9,7 +9,9 @@ prints records/s, images/s and peak RSS (this process and, separately, the image
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
+import os
 import logging
 import platform
 import resource
@@ -86,6 +88,8 @@ def main() -> None:
         total = t_ingest + t_check + t_norm
         figures = {
             "machine": f"{platform.machine()}, {platform.processor() or '?'}, Python {platform.python_version()}",
+            "cpus": os.cpu_count(), "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+            "versions": {name: importlib.metadata.version(name) for name in ("pyarrow", "pydantic", "pillow")},
             "records": args.records, "unique_images": manifest.num_rows, "workers": args.workers,
             "generate_s": round(t_gen, 1), "ingest_s": round(t_ingest, 1), "check_images_s": round(t_check, 1),
             "normalize_s": round(t_norm, 1), "ingest_plus_normalize_s": round(total, 1),

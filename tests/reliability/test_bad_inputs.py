@@ -158,14 +158,35 @@ def test_bad_parameter_is_one_line_naming_it(tmp_path, no_launch, model, trainin
     assert "\n" not in text and text.startswith("invalid parameter ") and message in text, text
 
 
-def test_group_size_larger_than_the_negatives_fails_at_export(tmp_path, no_launch):
+def test_group_size_larger_than_the_negatives_fails_at_export_under_refuse(tmp_path, no_launch):
     table = make_table(tmp_path, negatives=5)  # 5 negatives each: group_size 6 fits, 7 does not
-    assert nodes.export_training_table(table, stage_plan(tmp_path / "ok", group_size=6))
+    assert nodes.export_training_table(table, stage_plan(tmp_path / "ok", group_size=6, negative_fill="refuse"))
     with pytest.raises(ValueError) as error:
-        nodes.export_training_table(table, stage_plan(tmp_path / "bad", group_size=7))
+        nodes.export_training_table(table, stage_plan(tmp_path / "bad", group_size=7, negative_fill="refuse"))
     text = str(error.value)
-    assert "\n" not in text and text.startswith("invalid parameter training.group_size: 7 needs 6 negatives")
+    assert "\n" not in text and text.startswith("invalid parameters training.group_size=7 with "
+                                                "training.negative_fill=refuse: 9 of 9 training records")
+    assert "data_processing.normalization.min_negatives to at least 6" in text
     assert not (tmp_path / "bad" / "r" / "train.parquet").exists()
+
+
+def test_short_groups_are_filled_by_default_and_the_slots_logged(tmp_path, no_launch, caplog):
+    table = make_table(tmp_path, negatives=5)
+    with caplog.at_level("INFO", logger="lychee_pipeline.pipelines.training.nodes"):
+        assert Path(nodes.export_training_table(table, stage_plan(tmp_path / "fill", group_size=8))).is_file()
+    assert "9 of 9 training records have fewer than 7 negatives (fewest: 5); 18 group slot(s) per epoch" in caplog.text
+    assert nodes.short_group_counts(table, 8) == {"records": 9, "short_records": 9, "fewest_negatives": 5,
+                                                   "filled_slots_per_epoch": 18}
+    # 9 records hold 9 distinct documents: a group of 10 cannot be filled without repeating or a positive
+    with pytest.raises(ValueError, match="only 9 distinct documents to draw from; lower training.group_size or "
+                                         "raise data_processing.normalization.min_negatives"):
+        nodes.export_training_table(table, stage_plan(tmp_path / "small", group_size=10))
+
+
+def test_negative_fill_is_a_checked_parameter(tmp_path):
+    with pytest.raises(ValueError, match="invalid parameter training.negative_fill: Input should be 'fill_random' "
+                                         "or 'refuse'"):
+        stage_plan(tmp_path, negative_fill="random")
 
 
 def test_a_hub_id_and_an_existing_folder_are_accepted(tmp_path):

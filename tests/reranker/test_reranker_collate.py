@@ -161,3 +161,71 @@ def test_rows_with_array_columns_from_pandas(processor, images):
     row["negatives"] = np.array(row["negatives"], dtype=object)
     group = sample_group(row, group_size=3, epoch=0, seed=0)
     assert len(group["docs"]) == 3 and group["docs"][0]["image"] == images["red"]
+
+
+def _pool(images):
+    """Other training records; one holds a document with the same content as rec-1's positive under another
+    id (a false negative in disguise), one a document with rec-1's positive id."""
+    rows = [_row(images, n_hard=2, n_easy=2, record_id=f"other-{k}") for k in range(4)]
+    for k, row in enumerate(rows):
+        row["positives"] = [{"doc_id": f"op{k}", "text": f"other positive {k}", "image": None, "meta": "{}"}]
+        for i, neg in enumerate(row["negatives"]):
+            neg["doc_id"], neg["text"] = f"o{k}n{i}", f"other negative {k}.{i}"
+    rows[0]["negatives"][0].update(doc_id="copy-of-p0", text="red running shoes", image=images["red"])
+    rows[1]["negatives"][1].update(doc_id="p0", text="same id as the positive", image=None)
+    return rows
+
+
+def test_short_group_is_filled_from_other_records_never_with_a_positive(images):
+    short = _row(images, n_hard=1, n_easy=0)
+    pool = [short] + _pool(images)
+    seen = set()
+    for epoch in range(30):
+        group = sample_group(short, group_size=6, epoch=epoch, seed=5, fill_pool=pool)
+        assert len(group["docs"]) == 6 and group["filled"] == 4
+        assert group["hard"] == [True, False, False, False, False]  # its own mined negative, then 4 random ones
+        assert group["doc_ids"][:2] == ["p0", "h0"]
+        filled = group["docs"][2:]
+        assert all(d["text"].startswith("other ") for d in filled), filled  # never the positive's content or id
+        assert len({(d["text"], d["image"]) for d in group["docs"]}) == 6  # no document twice in a group
+        seen.update(d["text"] for d in filled)
+    assert len(seen) > 10  # drawn across the pool, re-drawn by epoch
+    # a pure function of (seed, epoch, record): same draw in another call, another draw in another epoch
+    assert sample_group(short, 6, epoch=3, seed=5, fill_pool=pool) == sample_group(short, 6, 3, 5, pool)
+    assert sample_group(short, 6, 3, 5, pool)["docs"] != sample_group(short, 6, 4, 5, pool)["docs"]
+    assert sample_group(short, 6, 3, 5, pool)["docs"] != sample_group(short, 6, 3, 6, pool)["docs"]
+    # a record with enough negatives never draws from the pool, and draws as it did without one
+    full = _row(images)
+    assert sample_group(full, 8, 2, 7, fill_pool=pool) == sample_group(full, 8, 2, 7)
+
+
+def test_fill_refuses_when_the_pool_cannot_fill_the_group(images):
+    short = _row(images, n_hard=1, n_easy=0)
+    with pytest.raises(ValueError, match="rec-1 has 1 negatives but group_size=6 needs 5"):
+        sample_group(short, group_size=6)  # no pool: the refuse policy
+    tiny_pool = [short, _pool(images)[2]]  # one other record: 5 documents for 4 slots... for 8 slots too few
+    assert sample_group(short, 6, fill_pool=tiny_pool)["filled"] == 4
+    with pytest.raises(ValueError, match="record rec-1: could not draw 8 random negatives from the other 1 training "
+                                         "records"):
+        sample_group(short, group_size=10, fill_pool=tiny_pool)
+
+
+def test_group_collator_fill_policy_and_counts(processor, images):
+    short = _row(images, n_hard=1, n_easy=0)
+    rows = [short, _row(images, record_id="b")]
+    pool = [short] + _pool(images)  # (b needs no filling)
+    with pytest.raises(ValueError, match="rec-1 has 1 negatives but group_size=4 needs 3"):
+        GroupCollator(processor, group_size=4, negative_fill="refuse", fill_pool=pool)(rows)
+    with pytest.raises(ValueError, match="negative_fill='fill_random' needs fill_pool"):
+        GroupCollator(processor, group_size=4, negative_fill="fill_random")
+    with pytest.raises(ValueError, match="negative_fill must be one of"):
+        GroupCollator(processor, group_size=4, negative_fill="random")
+    collator = GroupCollator(processor, group_size=4, seed=3, negative_fill="fill_random", fill_pool=pool)
+    batch = collator(rows)
+    assert batch["input_ids"].shape[0] == 8 and batch["labels"].tolist() == [1, 0, 0, 0, 1, 0, 0, 0]
+    assert collator.fill_stats.as_dict() == {"groups": 2, "filled_groups": 1, "filled_slots": 2}
+    texts = processor.tokenizer.batch_decode(batch["input_ids"][:4])
+    assert sum("other " in t for t in texts) == 2 and "red running shoes<|im_end|>" in texts[0]
+    # the group of a record does not depend on the rows it is batched with
+    alone = GroupCollator(processor, group_size=4, seed=3, negative_fill="fill_random", fill_pool=pool)([short])
+    assert torch.equal(alone["input_ids"][:, -40:], batch["input_ids"][:4, -40:])

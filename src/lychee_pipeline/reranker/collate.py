@@ -244,13 +244,78 @@ def _is_hard(negative: Any) -> bool:
     return True if flag is None else bool(flag)  # given negatives are mined unless marked otherwise
 
 
-def sample_group(row: Mapping[str, Any], group_size: int, epoch: int = 0, seed: int = 0) -> dict[str, Any]:
+#: ``training.negative_fill``: fill a short group with other records' documents, or refuse the record.
+NEGATIVE_FILL_POLICIES = ("fill_random", "refuse")
+
+
+class ShortGroupError(ValueError):
+    """A record has fewer negatives than ``group_size - 1`` and its group cannot (or may not) be filled."""
+
+
+def _content(doc: Any) -> tuple[str | None, str | None]:
+    """What a document shows the model: (text, image), empty values as None."""
+    item = _as_item(doc)
+    return item["text"], item["image"]
+
+
+def _fill_negatives(
+    record_id: str,
+    positives: list[Any],
+    taken: list[Any],
+    count: int,
+    pool: Sequence[Mapping[str, Any]],
+    rng: random.Random,
+) -> list[dict[str, Any]]:
+    """``count`` random documents of other records of ``pool`` (their positives or negatives), marked
+    ``hard=False``: never one of this record's positives (same ``doc_id`` or same text and image), never a
+    document already in the group (same ``doc_id`` or content). Raises :class:`ShortGroupError` when the pool
+    has too few such documents."""
+    banned_ids = {str(_get(d, "doc_id")) for d in [*positives, *taken] if _get(d, "doc_id") is not None}
+    banned = {_content(p) for p in positives} | {_content(n) for n in taken}
+    chosen: list[dict[str, Any]] = []
+    tries, max_tries = 0, 64 * count + 256
+    while len(chosen) < count:
+        tries += 1
+        if tries > max_tries or len(pool) < 2:
+            raise ShortGroupError(
+                f"record {record_id}: could not draw {count} random negatives from the other {len(pool) - 1} "
+                f"training records (too few distinct documents that are not its positives); add negatives or "
+                f"records, or lower training.group_size"
+            )
+        other = pool[rng.randrange(len(pool))]
+        if str(_get(other, "record_id")) == record_id:
+            continue
+        docs = _as_list(_get(other, "positives")) + _as_list(_get(other, "negatives"))
+        if not docs:
+            continue
+        doc = docs[rng.randrange(len(docs))]
+        key, doc_id = _content(doc), _get(doc, "doc_id")
+        if key == (None, None) or key in banned or (doc_id is not None and str(doc_id) in banned_ids):
+            continue
+        banned.add(key)
+        if doc_id is not None:
+            banned_ids.add(str(doc_id))
+        chosen.append({"doc_id": _get(doc, "doc_id"), "text": key[0], "image": key[1], "hard": False})
+    return chosen
+
+
+def sample_group(
+    row: Mapping[str, Any],
+    group_size: int,
+    epoch: int = 0,
+    seed: int = 0,
+    fill_pool: Sequence[Mapping[str, Any]] | None = None,
+) -> dict[str, Any]:
     """One training group for a model-input row: 1 positive + ``group_size - 1`` negatives.
 
     Drawn by ``(seed, epoch, record_id)``, so each epoch re-draws. Negatives: mined ones
     (``hard=True``) first, up to half the negatives, then random ones (``hard=False``); if one kind
-    runs short the other fills in. Raises ``ValueError`` if the row has too few negatives.
-    Returns ``{"record_id", "query", "docs", "task_type"}`` with the positive first in ``docs``.
+    runs short the other fills in. When the row has fewer than ``group_size - 1`` negatives in all:
+    with a ``fill_pool`` (the rows of the same split, e.g. the training table) the rest of the group is
+    drawn from other records' documents (:func:`_fill_negatives`, marked ``hard=False``), a pure function
+    of ``(seed, epoch, record_id)`` and the pool; without one, :class:`ShortGroupError` (a ValueError).
+    Returns ``{"record_id", "query", "docs", "task_type", "doc_ids", "hard", "filled"}`` with the positive
+    first in ``docs``; ``hard`` flags the negatives, ``filled`` counts the slots filled from the pool.
     """
     if group_size < 2:
         raise ValueError(f"group_size must be >= 2 (1 positive + negatives), got {group_size}")
@@ -260,8 +325,8 @@ def sample_group(row: Mapping[str, Any], group_size: int, epoch: int = 0, seed: 
     if not positives:
         raise ValueError(f"record {record_id} has no positive document")
     need = group_size - 1
-    if len(negatives) < need:
-        raise ValueError(
+    if len(negatives) < need and fill_pool is None:
+        raise ShortGroupError(
             f"record {record_id} has {len(negatives)} negatives but group_size={group_size} needs {need}"
         )
     rng = random.Random(f"{seed}:{epoch}:{record_id}")
@@ -272,14 +337,35 @@ def sample_group(row: Mapping[str, Any], group_size: int, epoch: int = 0, seed: 
     rng.shuffle(easy)
     n_hard = min(len(hard), math.ceil(need / 2))
     n_easy = min(len(easy), need - n_hard)
-    n_hard = need - n_easy  # hard ones fill in when random ones run short
+    n_hard = min(len(hard), need - n_easy)  # hard ones fill in when random ones run short
     chosen = hard[:n_hard] + easy[:n_easy]
+    filled: list[dict[str, Any]] = []
+    if len(chosen) < need:  # only with a fill pool (checked above); its own stream, so the draw above is unchanged
+        fill_rng = random.Random(f"{seed}:{epoch}:{record_id}:fill")
+        filled = _fill_negatives(record_id, positives, chosen, need - len(chosen), fill_pool, fill_rng)
+    negs = chosen + filled
     return {
         "record_id": record_id,
         "query": _as_item(_get(row, "query")),
-        "docs": [_as_item(positive)] + [_as_item(n) for n in chosen],
+        "docs": [_as_item(positive)] + [_as_item(n) for n in negs],
         "task_type": _get(row, "task_type"),
+        "doc_ids": [_get(positive, "doc_id")] + [_get(n, "doc_id") for n in negs],
+        "hard": [_is_hard(n) for n in negs],
+        "filled": len(filled),
     }
+
+
+@dataclass
+class FillStats:
+    """Counts of the groups this collator built (a loader that reads ahead collates a batch or two more than
+    are trained on)."""
+
+    groups: int = 0  # groups built
+    filled_groups: int = 0  # groups with at least one slot filled from other records
+    filled_slots: int = 0  # negatives drawn from other records' documents (hard=False)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
 
 
 class GroupCollator:
@@ -289,6 +375,10 @@ class GroupCollator:
     The instruction of a group follows the row's ``task_type`` (so all documents of a query share it).
     Call :meth:`set_epoch` each epoch (negatives are re-drawn) and :meth:`set_max_pixels` for a
     resolution schedule. Truncation counts are in ``stats``.
+
+    ``negative_fill`` (``training.negative_fill``): ``"refuse"`` raises :class:`ShortGroupError` for a row
+    with fewer than ``group_size - 1`` negatives; ``"fill_random"`` fills its group from other rows of
+    ``fill_pool`` (see :func:`sample_group`); the filled slots are counted in ``fill_stats``.
     """
 
     def __init__(
@@ -301,11 +391,20 @@ class GroupCollator:
         instructions: Mapping[str, str] | None = None,
         seed: int = 0,
         epoch: int = 0,
+        negative_fill: str = "refuse",
+        fill_pool: Sequence[Mapping[str, Any]] | None = None,
     ):
+        if negative_fill not in NEGATIVE_FILL_POLICIES:
+            raise ValueError(f"negative_fill must be one of {NEGATIVE_FILL_POLICIES}, got {negative_fill!r}")
+        if negative_fill == "fill_random" and fill_pool is None:
+            raise ValueError("negative_fill='fill_random' needs fill_pool (the rows of the split, e.g. the dataset)")
         self.pairs = PairCollator(processor, max_length, min_pixels, max_pixels, instructions)
         self.group_size = int(group_size)
         self.seed = int(seed)
         self.epoch = int(epoch)
+        self.negative_fill = negative_fill
+        self.fill_pool = fill_pool if negative_fill == "fill_random" else None
+        self.fill_stats = FillStats()
 
     @property
     def stats(self) -> TruncationStats:
@@ -320,7 +419,10 @@ class GroupCollator:
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         pairs = []
         for row in rows:
-            group = sample_group(row, self.group_size, self.epoch, self.seed)
+            group = sample_group(row, self.group_size, self.epoch, self.seed, self.fill_pool)
+            self.fill_stats.groups += 1
+            self.fill_stats.filled_groups += bool(group["filled"])
+            self.fill_stats.filled_slots += group["filled"]
             task_type = group["task_type"] or task_type_of(group["query"], group["docs"][0])
             instruction = instruction_for(task_type, self.pairs.instructions)
             pairs.extend((group["query"], doc, instruction) for doc in group["docs"])

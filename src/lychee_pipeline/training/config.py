@@ -50,6 +50,9 @@ class TrainingParams(_Strict):
     loss: Literal["pointwise", "listwise"] = "pointwise"
     temperature: float = Field(0.05, gt=0.0)
     group_size: int = Field(8, ge=2)
+    # a record with fewer than group_size - 1 negatives: fill its group with other records' documents
+    # (hard=false, seeded per epoch and record) or refuse the training table
+    negative_fill: Literal["fill_random", "refuse"] = "fill_random"
     per_device_batch_size: PositiveInt = 1  # query groups per device per micro-step
     gradient_accumulation_steps: PositiveInt = 1
     learning_rate: float = Field(1e-4, gt=0.0)

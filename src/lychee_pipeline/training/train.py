@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         min_pixels=train["min_pixels"],
         max_pixels=train["max_pixels"],
         seed=train["seed"],
+        negative_fill=train.get("negative_fill", "refuse"),
+        fill_pool=records if train.get("negative_fill") == "fill_random" else None,  # rows of the same split
     )
     schedule_pixels = [(s["start"], s["max_pixels"]) for s in train["resolution_schedule"]]
     collator.set_max_pixels(max_pixels_at(0.0, schedule_pixels, train["max_pixels"]))
@@ -299,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             "replica_max_diff": replica_diff,
             "truncation": collator.stats.as_dict(),
             "processing": trained_with.as_dict(),
+            "negative_fill": collator.fill_stats.as_dict(),  # rank 0's groups (filled_slots: random negatives)
             "adapter_dir": str(adapter_dir),
             "adapter_manifest": str(out_dir / ADAPTER_MANIFEST),
             "spec_hash": spec.get("spec_hash"),

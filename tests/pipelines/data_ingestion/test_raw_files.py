@@ -59,7 +59,7 @@ def _rel(raw: Path, file: str) -> str:
 def test_every_file_is_read_or_skipped_with_a_reason(awkward_folder):
     raw = awkward_folder["raw"]
     source = locate_raw_data({"raw_path": str(raw)}, {})
-    table, rejected, counts, raw_files = ingest_files(source, {"workers": 1})
+    table, rejected, counts, raw_files, _ = ingest_files(source, {"workers": 1})
     listed = {_rel(raw, e["file"]): e for e in raw_files["files"]}
     assert set(listed) == set(awkward_folder["read"]) | set(awkward_folder["skipped"])
     for name, lines in awkward_folder["read"].items():
@@ -83,7 +83,7 @@ def test_a_folder_export_named_jsonl_and_a_gz_raw_path(awkward_folder):
         "export.jsonl/part-00000", "export.jsonl/part-00001.json.gz"]
     assert len(discover_files(str(raw / "*.jsonl"))["files"]) == 3  # plain.jsonl + the export's two parts
     source = locate_raw_data({"raw_path": str(raw / "part.jsonl.gz")}, {})
-    _, rejected, counts, raw_files = ingest_files(source, {})
+    _, rejected, counts, raw_files, _ = ingest_files(source, {})
     assert counts["lines_in"] == 5 and counts["clean"] == 4 and "malformed JSON" in rejected[0]["reason"]
     assert raw_files["files"][0]["compression"] == "gzip"
 
@@ -93,7 +93,7 @@ def test_duplicate_id_in_a_compressed_file_quotes_the_raw_line(tmp_path):
     other = json.dumps({"id": "x", "query": "other", "pos_doc": {"text": "d"}}).encode()
     path = tmp_path / "a.jsonl.gz"
     path.write_bytes(gzip.compress(line + b"\n" + other + b"\n"))
-    _, rejected, counts, _ = ingest_files(locate_raw_data({"raw_path": str(path)}, {}), {})
+    _, rejected, counts, _, _ = ingest_files(locate_raw_data({"raw_path": str(path)}, {}), {})
     assert counts["clean"] == 1 and "duplicate id 'x'" in rejected[0]["reason"] and '"other"' in rejected[0]["raw"]
 
 
@@ -113,7 +113,7 @@ def test_a_latin1_line_is_refused_naming_the_encoding(tmp_path):
     path = tmp_path / "a.jsonl"
     path.write_bytes(json.dumps({"query": "café crème", "pos_doc": {"text": "d"}}, ensure_ascii=False)
                      .encode("latin-1") + b"\n" + _lines("ok", 1))
-    _, rejected, counts, raw_files = ingest_files(locate_raw_data({"raw_path": str(path)}, {}), {})
+    _, rejected, counts, raw_files, _ = ingest_files(locate_raw_data({"raw_path": str(path)}, {}), {})
     assert counts["lines_in"] == 2 == counts["clean"] + counts["rejected"] + counts["duplicates"]
     assert rejected[0]["reason"].startswith("invalid UTF-8 at byte") and "Latin-1" in rejected[0]["reason"]
     assert raw_files["files"][0]["rejected"] == 1 and raw_files["files"][0]["clean"] == 1

@@ -73,3 +73,55 @@ def test_collapsing_is_not_an_image_failure_under_policy_fail(tmp_path):
     normalized, _, removed, _ = normalize_records(
         table, MANIFEST_SCHEMA.empty_table(), {"image_roots": [str(tmp_path)]}, {"policy": "fail"})
     assert normalized.num_rows == 1 and removed.num_rows == 1
+
+
+def test_text_longer_than_max_text_chars_is_rejected_never_cut(tmp_path):
+    long_text = "长" * 60  # 60 characters (180 UTF-8 bytes): the limit counts characters
+    lines = [
+        json.dumps({"query": "q", "pos_doc": {"text": "x" * 50}}),                         # 1 at the limit: kept
+        json.dumps({"query": "q", "pos_doc": {"text": long_text}}),                        # 2 positive too long
+        json.dumps({"query": "q", "pos_docs": [{"text": "d"}, {"text": "y" * 51}]}),       # 3 second positive
+        json.dumps({"query": "q", "pos_doc": {"text": "d"}, "neg_docs": [{"text": "n"}, {"text": "z" * 99}]}),  # 4
+        json.dumps({"query": {"text": "w" * 70, "image": "a.png"}, "pos_doc": {"text": "d"}}),  # 5 query
+        json.dumps({"query": "q2", "pos_doc": {"text": "  " + "v" * 50 + "\u200b "}}),      # 6 50 once stripped
+    ]
+    source = _write(tmp_path / "a.jsonl", lines)
+    for options in ({"max_text_chars": 50}, {"max_text_chars": 50, "workers": 2, "chunk_mb": 0.0001}):
+        table, rejected, counts = ingest_records(source, options)
+        assert counts["lines_in"] == len(lines) == counts["clean"] + counts["rejected"] + counts["duplicates"]
+        reasons = {r["line"]: r["reason"] for r in rejected}
+        assert set(reasons) == {2, 3, 4, 5} and counts["clean"] == 2, reasons
+        for line, n, loc in ((2, 60, "pos_doc.text"), (3, 51, "pos_docs.1.text"), (4, 99, "neg_docs.1.text"),
+                             (5, 70, "query")):
+            assert reasons[line] == (f"text too long: {n} characters at '{loc}' > data_processing.ingestion."
+                                     "max_text_chars=50 (never truncated: shorten it or raise the limit)")
+        assert all(r["raw"] == lines[r["line"] - 1] for r in rejected)  # the whole line is kept for review
+        assert [len(r["positives"][0]["text"]) for r in table.to_pylist()] == [50, 50]  # nothing cut
+    table, rejected, _ = ingest_records(source, {"max_text_chars": 100})
+    assert table.num_rows == 6 and rejected == []
+    assert len(ingest_records(source, {})[0]) == 6  # default 20000
+
+
+def test_duplicate_lines_are_listed_with_their_first_occurrence(tmp_path):
+    from lychee_pipeline.pipelines.data_ingestion.nodes import ingest_files
+
+    a = {"query": "red dress", "pos_doc": {"text": "a red dress"}}
+    b = {"query": "blue shirt", "pos_doc": {"text": "a blue shirt"}}
+    first = tmp_path / "a.jsonl"
+    first.write_text("\n".join([json.dumps(a), json.dumps(b), json.dumps(a)]) + "\n", encoding="utf-8")
+    second = tmp_path / "b.jsonl"
+    second.write_text("\n".join([json.dumps({**b, "query": " blue shirt\u200b"}), json.dumps({"id": "x", **a})])
+                      + "\n", encoding="utf-8")
+    source = {"files": [str(first), str(second)], "image_roots": [str(tmp_path)], "demo": False}
+    table, rejected, counts, raw_files, duplicates = ingest_files(source, {"workers": 1})
+    assert counts == {"lines_in": 5, "clean": 2, "rejected": 0, "duplicates": 3}
+    ids = table.column("record_id").to_pylist()
+    assert duplicates == [
+        {"file": str(first), "line": 3, "id": None, "first_file": str(first), "first_line": 1,
+         "first_record_id": ids[0]},
+        {"file": str(second), "line": 1, "id": None, "first_file": str(first), "first_line": 2,
+         "first_record_id": ids[1]},
+        {"file": str(second), "line": 2, "id": "x", "first_file": str(first), "first_line": 1,  # ids aside
+         "first_record_id": ids[0]},
+    ]
+    assert [f["duplicates"] for f in raw_files["files"]] == [1, 2]

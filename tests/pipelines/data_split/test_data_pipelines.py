@@ -40,6 +40,10 @@ def test_bad_corpus_through_all_data_pipelines(data_bad_corpus, tmp_path):
     assert counts["train_size"] + counts["val_size"] + counts["test_size"] == counts["clean"] - counts["quarantined"]
     assert counts["train_size"] == counts["smoke_size"]
     assert {r["line"] for r in catalog.load("rejected_lines")} == set(data_bad_corpus["rejected"])
+    # duplicates are listed, not only counted: line 9 repeats line 1, line 11 (NFD text) repeats line 10
+    duplicates = catalog.load("duplicate_lines")
+    assert [(d["line"], d["first_line"]) for d in duplicates] == [(9, 1), (11, 10)]
+    assert len(duplicates) == counts["duplicates"] == data_bad_corpus["duplicates"]
 
 
 def test_demo_data_through_all_data_pipelines(tmp_path):

@@ -132,3 +132,40 @@ def test_resolver_tries_each_root_and_confines(tmp_path):
 
 def test_check_image_missing_file(tmp_path):
     assert check_image(str(tmp_path / "nope.png"), 100)["reason"] == "image not found"
+
+
+def test_image_path_in_the_other_unicode_normalization_is_found(tmp_path):
+    import json
+    import unicodedata
+
+    nfc = lambda s: unicodedata.normalize("NFC", s)  # noqa: E731
+    nfd = lambda s: unicodedata.normalize("NFD", s)  # noqa: E731
+    root = tmp_path / "export"
+    (root / nfd("Crème")).mkdir(parents=True)  # as macOS writes names: decomposed (NFD)
+    (root / nfc("Été")).mkdir()  # a folder in NFC holding a file in NFD: matched part by part
+    files = {"nfd_file": root / nfd("Crème") / nfd("café-brûlé.png"),
+             "mixed": root / nfc("Été") / nfd("rosé.png"),
+             "nfc_file": root / nfc("ñandú.png")}
+    for path in files.values():
+        Image.new("RGB", (16, 16), (200, 10, 10)).save(path)
+    assert os.fsencode(files["nfd_file"].name) != os.fsencode(nfc(files["nfd_file"].name))  # really NFD on disk
+    refs = {"nfd_file": nfc("Crème/café-brûlé.png"), "mixed": nfc("Été/rosé.png"), "nfc_file": nfd("ñandú.png"),
+            "absolute": str(root / nfc("Crème") / nfc("café-brûlé.png")), "missing": nfc("Crème/thé.png")}
+    lines = [json.dumps({"id": rid, "query": "q", "pos_doc": {"text": "d", "image": ref}, "neg_docs": [{"text": "n"}]})
+             for rid, ref in refs.items()]
+    jsonl = tmp_path / "records.jsonl"
+    jsonl.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    source = {"files": [str(jsonl)], "image_roots": [str(root)], "demo": False}
+    table, _, _ = ingest_records(source, {})
+    manifest = check_images(table, None, source, CHECK)
+    assert sorted(manifest.column("path").to_pylist()) == sorted(str(p.resolve()) for p in files.values())
+    assert all(manifest.column("ok").to_pylist())
+    normalized, quarantined, _, counts = normalize_records(table, manifest, source, NORM)
+    assert counts["records_in"] == counts["normalized"] + counts["quarantined"]
+    found = {r["record_id"]: r["positives"][0]["image"] for r in normalized.to_pylist()}
+    expected = {k: str(p.resolve()) for k, p in files.items()} | {"absolute": str(files["nfd_file"].resolve())}
+    assert found == expected  # the path on disk, in the form the file system holds
+    assert quarantined.to_pylist()[0]["reason"].startswith("positive ") and "image not found" in \
+        quarantined.to_pylist()[0]["reason"]
+    assert Resolver([str(root)]).resolve(nfc("../export/Crème/café-brûlé.png"))[0] == str(files["nfd_file"].resolve())
+    assert Resolver([str(root / nfc("Été"))]).resolve(nfc("../Crème/café-brûlé.png"))[1].startswith("path escapes")

@@ -11,7 +11,13 @@ from typing import Any
 
 import pyarrow as pa
 
-from lychee_pipeline.pipelines.data_ingestion.records import chunk_ranges, discover_files, parse_chunk, read_line_at
+from lychee_pipeline.pipelines.data_ingestion.records import (
+    MAX_TEXT_CHARS,
+    chunk_ranges,
+    discover_files,
+    parse_chunk,
+    read_line_at,
+)
 from lychee_pipeline.pipelines.demo_data.catalogue import ensure_demo_data
 from lychee_pipeline.schema import MODEL_INPUT_SCHEMA
 
@@ -78,8 +84,11 @@ def _parsed_chunks(files: list[str], ingestion: dict[str, Any]):
     chunk_bytes = max(1, int(float(ingestion.get("chunk_mb", 16)) * 2**20))
     batch_size = int(ingestion.get("batch_size", 20000))
     max_raw_chars = int(ingestion.get("rejected_raw_chars", 10000))
+    max_text_chars = int(ingestion.get("max_text_chars", MAX_TEXT_CHARS))
+    if max_text_chars < 1:
+        raise ValueError(f"invalid parameter data_processing.ingestion.max_text_chars: must be >= 1, got {max_text_chars}")
     ranges = chunk_ranges(files, chunk_bytes)
-    tasks = [(file, start, end, batch_size, max_raw_chars) for file, start, end in ranges]
+    tasks = [(file, start, end, batch_size, max_raw_chars, max_text_chars) for file, start, end in ranges]
     if workers <= 1 or len(tasks) < 2:
         yield from map(parse_chunk, tasks)
         return
@@ -89,19 +98,22 @@ def _parsed_chunks(files: list[str], ingestion: dict[str, Any]):
 
 def ingest_records(raw_source: dict[str, Any], ingestion: dict[str, Any]) -> tuple[pa.Table, list[dict], dict]:
     """Stream every line into validated records, rejected lines (with reasons) and counts; drop exact duplicates."""
-    table, rejected, counts, _ = ingest_files(raw_source, ingestion)
+    table, rejected, counts, _, _ = ingest_files(raw_source, ingestion)
     return table, rejected, counts
 
 
 def ingest_files(
     raw_source: dict[str, Any], ingestion: dict[str, Any]
-) -> tuple[pa.Table, list[dict], dict, dict]:
-    """`ingest_records`, plus the list of every file found (raw_files) with its per-file line counts."""
+) -> tuple[pa.Table, list[dict], dict, dict, list[dict]]:
+    """`ingest_records`, plus the list of every file found (raw_files) with its per-file line counts, and
+    the duplicate lines: one row per exact duplicate (its file and line, and the first occurrence's file,
+    line and record_id), so that no line is dropped without a trace."""
     max_raw_chars = int(ingestion.get("rejected_raw_chars", 10000))
     tables: list[pa.Table] = []
     rejected: list[dict[str, Any]] = []
-    seen_content: set[bytes] = set()
-    seen_ids: dict[str, str] = {}
+    duplicate_lines: list[dict[str, Any]] = []
+    seen_content: dict[bytes, tuple[str, int, str]] = {}  # content digest -> first (file, line, record_id)
+    seen_ids: dict[str, tuple[str, int, str]] = {}
     lines_in = duplicates = 0
     line_base: dict[str, int] = {}
     per_file = {f: {"lines": 0, "clean": 0, "rejected": 0, "duplicates": 0} for f in raw_source["files"]}
@@ -114,20 +126,22 @@ def ingest_files(
         events = [(r["line"], r) for r in chunk["rejected"]]
         keep = []
         for line, digest, given_id, offset in chunk["keys"]:
-            if digest in seen_content:
+            first = seen_content.get(digest)
+            if first is not None:
                 duplicates += 1
                 stats["duplicates"] += 1
+                duplicate_lines.append({"file": file, "line": base + line, "id": given_id, "first_file": first[0],
+                                        "first_line": first[1], "first_record_id": first[2]})
                 keep.append(False)
                 continue
             record_id = given_id or "r" + digest.hex()[:16]
             if record_id in seen_ids:
-                reason = f"duplicate id '{record_id}' (first at {seen_ids[record_id]})"
+                reason = f"duplicate id '{record_id}' (first at {seen_ids[record_id][0]}:{seen_ids[record_id][1]})"
                 raw = read_line_at(file, offset).decode("utf-8", errors="replace")[:max_raw_chars]
                 events.append((line, {"file": file, "line": line, "reason": reason, "raw": raw}))
                 keep.append(False)
                 continue
-            seen_ids[record_id] = f"{file}:{base + line}"
-            seen_content.add(digest)
+            seen_ids[record_id] = seen_content[digest] = (file, base + line, record_id)
             keep.append(True)
         for _, row in sorted(events, key=lambda e: e[0]):
             rejected.append({**row, "line": base + row["line"]})
@@ -139,10 +153,18 @@ def ingest_files(
     counts = {"lines_in": lines_in, "clean": table.num_rows, "rejected": len(rejected), "duplicates": duplicates}
     if counts["lines_in"] != counts["clean"] + counts["rejected"] + counts["duplicates"]:
         raise AssertionError(f"count invariant broken: {counts}")
+    if len(duplicate_lines) != duplicates:
+        raise AssertionError(f"{duplicates} duplicates counted but {len(duplicate_lines)} listed")
     logger.info(
         "ingestion: lines_in=%d == clean=%d + rejected=%d + duplicates=%d",
         lines_in, counts["clean"], counts["rejected"], duplicates,
     )
     for row in rejected[:5]:
         logger.warning("rejected %s:%d: %s", row["file"], row["line"], row["reason"])
-    return table, rejected, counts, raw_file_list(raw_source, per_file)
+    for row in duplicate_lines[:5]:
+        logger.warning("duplicate %s:%d: the same content as %s:%d (kept as %s)", row["file"], row["line"],
+                       row["first_file"], row["first_line"], row["first_record_id"])
+    if len(duplicate_lines) > 5:
+        logger.warning("... %d duplicate lines in all: see duplicate_lines (data/02_intermediate/duplicate_lines.jsonl)",
+                       len(duplicate_lines))
+    return table, rejected, counts, raw_file_list(raw_source, per_file), duplicate_lines

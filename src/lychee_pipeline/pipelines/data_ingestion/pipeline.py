@@ -15,7 +15,7 @@ def create_pipeline(**kwargs) -> Pipeline:
             node(
                 ingest_files,
                 ["raw_source", "params:data_processing.ingestion"],
-                ["ingested_records", "rejected_lines", "ingestion_counts", "raw_files"],
+                ["ingested_records", "rejected_lines", "ingestion_counts", "raw_files", "duplicate_lines"],
                 name="parse_validate_dedup_records",
             ),
         ]

@@ -20,6 +20,8 @@ from lychee_pipeline.schema import MODEL_INPUT_SCHEMA, RawDoc, RawRecord, strip_
 
 _META_ENCODER = json.JSONEncoder(ensure_ascii=False, sort_keys=True, separators=(", ", ": "))
 _BOM = b"\xef\xbb\xbf"
+#: Default of ``data_processing.ingestion.max_text_chars``: a longer query or document text refuses its line.
+MAX_TEXT_CHARS = 20000
 _UNION_TAGS = {"str", "RawItem", "RawDoc", "list[RawDoc]", "literal['train','val','test']"}
 
 
@@ -132,8 +134,19 @@ def _doc(doc: RawDoc, negative: bool) -> dict[str, Any]:
     return row
 
 
-def parse_record(text: str) -> tuple[dict[str, Any], str, str | None]:
-    """Validate and normalize one line: (row without record_id, content hash, given id). Raises RejectedLine."""
+def _too_long(query: dict[str, Any], docs: list[tuple[str, dict[str, Any]]], max_text_chars: int) -> str | None:
+    """The reason a line is refused for a text longer than ``max_text_chars`` characters (after NFC), or None."""
+    for loc, text in [("query", query["text"]), *((f"{loc}.text", doc["text"]) for loc, doc in docs)]:
+        if text is not None and len(text) > max_text_chars:
+            return (f"text too long: {len(text)} characters at '{loc}' > data_processing.ingestion.max_text_chars="
+                    f"{max_text_chars} (never truncated: shorten it or raise the limit)")
+    return None
+
+
+def parse_record(text: str, max_text_chars: int = MAX_TEXT_CHARS) -> tuple[dict[str, Any], str, str | None]:
+    """Validate and normalize one line: (row without record_id, content hash, given id). Raises RejectedLine.
+
+    A query or document text longer than ``max_text_chars`` characters refuses the line (it is never cut)."""
     if not text.strip():
         raise RejectedLine("empty line")
     try:
@@ -153,6 +166,11 @@ def parse_record(text: str) -> tuple[dict[str, Any], str, str | None]:
         query = {"text": norm_text(raw.query.text), "image": norm_ref(raw.query.image)}
     positives = [_doc(d, False) for d in ([raw.pos_doc] if raw.pos_doc else []) + list(raw.pos_docs or [])]
     negatives = [_doc(d, True) for d in raw.neg_docs or []]
+    locs = (["pos_doc"] if raw.pos_doc else []) + [f"pos_docs.{i}" for i in range(len(raw.pos_docs or []))]
+    locs += [f"neg_docs.{i}" for i in range(len(negatives))]
+    too_long = _too_long(query, list(zip(locs, positives + negatives)), max_text_chars)
+    if too_long:
+        raise RejectedLine(too_long)
     row = {
         "query": query,
         "positives": positives,
@@ -333,12 +351,14 @@ def chunk_ranges(files: list[str], chunk_bytes: int) -> list[tuple[str, int, int
     return ranges
 
 
-def parse_chunk(args: tuple[str, int, int, int, int]) -> dict[str, Any]:
+def parse_chunk(args: tuple) -> dict[str, Any]:
     """Parse the lines of one byte range: an Arrow table of the parsed rows and what is needed to deduplicate.
 
-    Line numbers are local to the range (1-based); ``n_lines`` lets the caller make them global.
+    ``args``: (file, start, end, batch_size, max_raw_chars[, max_text_chars]). Line numbers are local to the
+    range (1-based); ``n_lines`` lets the caller make them global.
     """
-    file, start, end, batch_size, max_raw_chars = args
+    file, start, end, batch_size, max_raw_chars = args[:5]
+    max_text_chars = int(args[5]) if len(args) > 5 else MAX_TEXT_CHARS
     rows: list[dict[str, Any]] = []
     batches: list[pa.RecordBatch] = []
     keys: list[tuple[int, bytes, str | None, int]] = []  # local line, content digest, given id, byte offset
@@ -362,7 +382,7 @@ def parse_chunk(args: tuple[str, int, int, int, int]) -> dict[str, Any]:
                     text = raw.decode("utf-8")
                 except UnicodeDecodeError as error:
                     raise RejectedLine(f"invalid UTF-8 at byte {error.start}{_latin1_hint(raw)}") from None
-                row, content, given_id = parse_record(text)
+                row, content, given_id = parse_record(text, max_text_chars)
             except RejectedLine as reason:
                 rejected.append({"file": file, "line": number, "reason": str(reason),
                                  "raw": raw.decode("utf-8", errors="replace")[:max_raw_chars]})

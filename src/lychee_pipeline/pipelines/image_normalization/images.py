@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import unicodedata
 import warnings
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,37 @@ class Resolver:
             raise ValueError("at least one image root is needed")
         self.roots = [Path(r).expanduser().resolve() for r in roots]
         self._cache: dict[str, tuple[str | None, str | None]] = {}
+        self._listings: dict[Path, dict[str, str]] = {}
 
     def _inside(self, path: Path) -> bool:
         return any(path == root or path.is_relative_to(root) for root in self.roots)
+
+    def _listing(self, folder: Path) -> dict[str, str]:
+        """{NFC form of a name: the name on disk} of a folder's entries (cached; empty if unreadable)."""
+        names = self._listings.get(folder)
+        if names is None:
+            try:
+                names = {unicodedata.normalize("NFC", n): n for n in sorted(os.listdir(folder))}
+            except OSError:
+                names = {}
+            self._listings[folder] = names
+        return names
+
+    def other_normalization(self, path: Path) -> Path | None:
+        """The file on disk whose name differs from ``path`` only in Unicode normalization (NFC / NFD, as
+        macOS writes names), matched component by component; None when there is none."""
+        if str(path).isascii():
+            return None
+        current = Path(path.anchor)
+        for part in path.parts[1:]:
+            candidate = current / part
+            if not os.path.lexists(candidate):
+                real = self._listing(current).get(unicodedata.normalize("NFC", part))
+                if real is None:
+                    return None
+                candidate = current / real
+            current = candidate
+        return current
 
     def resolve(self, ref: str) -> tuple[str | None, str | None]:
         """(absolute resolved path, None) or (None, reason). Symlinks are resolved before the check."""
@@ -39,6 +68,10 @@ class Resolver:
             result: tuple[str | None, str | None] = (None, f"path escapes the image roots: {ref}")
         else:
             found = next((c for c in inside if c.exists()), None)
+            if found is None:  # a name in the other Unicode normalization form (NFC in the JSONL, NFD on disk)
+                others = (self.other_normalization(c) for c in inside)
+                found = next((o.resolve() for o in others if o is not None and self._inside(o.resolve())
+                              and o.exists()), None)
             result = (str(found), None) if found else (None, f"image not found: {ref}")
         self._cache[ref] = result
         return result

@@ -120,18 +120,60 @@ def plan_training(
     }
 
 
-def export_training_table(train_records: pa.Table, plan: dict) -> str:
-    """Write the training split once per run as Parquet, for the stage processes to memory-map."""
-    need = plan["training"]["group_size"] - 1
-    if train_records.num_rows:
-        import pyarrow.compute as pc
+def short_group_counts(records: pa.Table, group_size: int) -> dict[str, int]:
+    """How many records have fewer than ``group_size - 1`` negatives, the fewest any record has, and the
+    group slots a pass over ``records`` fills with random negatives (``training.negative_fill: fill_random``)."""
+    import pyarrow.compute as pc
 
-        fewest = pc.min(pc.list_value_length(train_records.column("negatives"))).as_py() or 0
-        if fewest < need:
+    need = group_size - 1
+    if not records.num_rows:
+        return {"records": 0, "short_records": 0, "fewest_negatives": 0, "filled_slots_per_epoch": 0}
+    lengths = pc.fill_null(pc.list_value_length(records.column("negatives")), 0)
+    missing = pc.max_element_wise(pc.subtract(need, lengths), 0)
+    return {
+        "records": records.num_rows,
+        "short_records": pc.sum(pc.greater(missing, 0)).as_py() or 0,
+        "fewest_negatives": pc.min(lengths).as_py() or 0,
+        "filled_slots_per_epoch": pc.sum(missing).as_py() or 0,
+    }
+
+
+def _distinct_documents(records: pa.Table) -> int:
+    """Distinct documents (by doc_id) among the records' positives and negatives."""
+    import pyarrow.compute as pc
+
+    ids = [pc.struct_field(pc.list_flatten(records.column(c)), "doc_id") for c in ("positives", "negatives")]
+    return len(pc.unique(pa.chunked_array([chunk for col in ids for chunk in col.chunks], pa.string())))
+
+
+def export_training_table(train_records: pa.Table, plan: dict) -> str:
+    """Write the training split once per run as Parquet, for the stage processes to memory-map.
+
+    Records with fewer than ``training.group_size - 1`` negatives: under ``training.negative_fill: refuse``
+    the run stops here with a one-line error naming both keys; under ``fill_random`` their groups are filled
+    from other records' documents at batch time, and the number of filled slots per epoch is logged.
+    """
+    group_size = plan["training"]["group_size"]
+    policy = plan["training"].get("negative_fill", "refuse")
+    short = short_group_counts(train_records, group_size)
+    if short["short_records"]:
+        where = (f"{short['short_records']} of {short['records']} training records have fewer than "
+                 f"{group_size - 1} negatives (fewest: {short['fewest_negatives']})")
+        if policy == "refuse":
             raise ValueError(
-                f"invalid parameter training.group_size: {need + 1} needs {need} negatives per record, "
-                f"but some training records have only {fewest} (lower group_size or add negatives)"
+                f"invalid parameters training.group_size={group_size} with training.negative_fill=refuse: {where}; "
+                f"set data_processing.normalization.min_negatives to at least {group_size - 1} (short records are "
+                "quarantined), lower training.group_size, or use training.negative_fill=fill_random"
             )
+        distinct = _distinct_documents(train_records)
+        if distinct < group_size:
+            raise ValueError(
+                f"invalid parameters training.group_size={group_size} with training.negative_fill=fill_random: "
+                f"{where}, and the training split has only {distinct} distinct documents to draw from; lower "
+                "training.group_size or raise data_processing.normalization.min_negatives"
+            )
+        log.info("negative_fill=fill_random: %s; %d group slot(s) per epoch are filled with random negatives "
+                 "from other records' documents (hard=false)", where, short["filled_slots_per_epoch"])
     path = Path(plan["run_dir"]) / "train.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.is_file() and pq.read_table(path, memory_map=True).equals(train_records):
