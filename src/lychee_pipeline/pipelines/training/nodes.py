@@ -180,7 +180,8 @@ def _strategy_template(plan: dict) -> dict | None:
 
 # Spec keys that do not change what a stage computes: a finished stage is reused across them.
 _NOT_HASHED = {"resume", "reuse_finished"}
-_NOT_HASHED_LAUNCH = {"timeout_s", "process_group_timeout_s", "main_process_port"}
+_NOT_HASHED_LAUNCH = {"timeout_s", "process_group_timeout_s", "main_process_port", "watchdog_s",
+                      "hang_after_exit_s", "rendezvous_timeout_s"}
 
 
 def spec_hash(spec: dict[str, Any]) -> str:
