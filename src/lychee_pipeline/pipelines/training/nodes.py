@@ -97,6 +97,13 @@ def plan_training(
         raise ValueError("invalid parameter model.trust_remote_code: remote code is never run "
                          "(Qwen2.5-VL is a native transformers model); set it to false")
     check_model_source(model_params.name_or_path)
+    launch = training_params.launch
+    if launch.machine_rank >= launch.num_machines:
+        raise ValueError(f"invalid parameter training.launch.machine_rank: {launch.machine_rank} must be below "
+                         f"training.launch.num_machines {launch.num_machines}")
+    if launch.num_machines > 1 and not launch.main_process_port:
+        raise ValueError("invalid parameter training.launch.main_process_port: a multi-node run needs the same "
+                         "fixed port on every machine (null picks a free one on each)")
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise ValueError(f"parameter gpus must be a positive integer, got {gpus!r}")
     device_type = resolve_device(device)
@@ -270,6 +277,10 @@ def schedule_problem(result: dict) -> str | None:
 
 def check_stage(result: dict, plan: dict) -> dict:
     """The gate between stages: finite loss, a falling loss from 2 devices on, replicas in sync."""
+    if result.get("result_on_machine_rank_0"):  # multi-node: machine rank 0 holds the result and gates it
+        log.info("stage %s: machine rank %d trained its part; the gate runs on machine rank 0", result["stage"],
+                 result["machine_rank"])
+        return result
     gate, where = plan["stages"]["gate"], f"(logs: {Path(result['adapter_dir']).parent / 'launch.log'})"
     losses = [loss for _, loss in result["losses"]]
     if gate["require_finite"] and (not losses or not all(math.isfinite(x) for x in losses)):
