@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=20)
     parser.add_argument("--seed", type=int, default=14)
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--watchdog-s", type=int, default=8)
+    parser.add_argument("--watchdog-s", type=int, default=10)
     parser.add_argument("--hang-after-exit-s", type=int, default=8)
     parser.add_argument("--hang-after-s", type=float, default=240.0, help="a driver alive this long is a hang")
     parser.add_argument("--out", type=Path, default=None, help="JSON file for the rows and the summary")

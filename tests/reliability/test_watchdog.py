@@ -149,3 +149,13 @@ def test_rule_a_machine_rank_that_never_arrives_is_named(tmp_path):
     assert kind == "rendezvous" and reason.startswith(
         "no rank of machine rank 0 got past the rendezvous at 127.0.0.1:29555 within 10 s: machine rank 1 of 2 "
         "never arrived"), reason
+
+
+def test_rule_startup_gets_the_rendezvous_timeout_not_the_watchdog(tmp_path, sleeper):
+    """Loading a large model takes a minute: before step 1 the limit is rendezvous_timeout_s (a 10 s watchdog stopped
+    clean soak stages on a loaded machine while a rank was still importing)."""
+    _beat(tmp_path, 0, sleeper.pid, 0, "started", age_s=40)
+    dog = Watchdog(tmp_path, {**LAUNCH, "watchdog_s": 10, "rendezvous_timeout_s": 60}, devices=1)
+    assert dog.check() is None
+    kind, reason = dog.check(now=time.time() + 61)
+    assert kind == "silent" and "(no first step within training.launch.rendezvous_timeout_s)" in reason, reason

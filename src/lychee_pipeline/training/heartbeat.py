@@ -31,7 +31,8 @@ STACK_HEADER = "(most recent call first):"
 class Heartbeat:
     """`beat(step, phase)` from a rank; never raises (a full disk must not stop training)."""
 
-    def __init__(self, stage_dir: str | Path, rank: int):
+    def __init__(self, stage_dir: str | Path, rank: int, distributed_type: str = ""):
+        self.distributed_type = distributed_type  # what Accelerate really set up (DistributedType.FSDP, MULTI_CPU ...)
         self.path = Path(stage_dir) / DIR_NAME / f"rank{rank}.json"
         self.rank = rank
         self.started = time.time()
@@ -47,7 +48,7 @@ class Heartbeat:
 
     def __call__(self, step: int, phase: str) -> None:
         record = {"rank": self.rank, "pid": os.getpid(), "host": os.uname().nodename, "step": step, "phase": phase,
-                  "time": time.time(), "machine_rank": int(os.environ.get("GROUP_RANK", "0") or 0)}
+                  "time": time.time(), "distributed_type": self.distributed_type, "machine_rank": int(os.environ.get("GROUP_RANK", "0") or 0)}
         tmp = self.path.with_suffix(f".tmp{os.getpid()}")
         try:
             tmp.write_text(json.dumps(record))

@@ -278,13 +278,22 @@ class Watchdog:
                 return "hung", (f"{names} hung: rank {first} {how} after step {gone['step']} ({gone['phase']}) "
                                 f"{now - self.left_at[first]:.0f} s ago and the rest made no progress for {limit} s "
                                 "(training.launch.hang_after_exit_s)")
+        # From the first step on, watchdog_s; before it (loading the model, the first step's warm-up), the
+        # startup gets rendezvous_timeout_s counted from the launch, as a 16 GB model takes a minute to load.
         limit = launch.get("watchdog_s", 1800)
-        silent = sorted((r for r, b in beats.items() if alive[r] and r not in self.left_at and now - b["time"] > limit),
+        startup = max(limit, launch.get("rendezvous_timeout_s", 900))
+
+        def over(b: dict) -> bool:
+            return now - b["time"] > limit if b["phase"] != "started" else now - self.started > startup
+
+        silent = sorted((r for r, b in beats.items() if alive[r] and r not in self.left_at and over(b)),
                         key=lambda r: beats[r]["time"])
         if silent:
             names = ", ".join(f"rank {r} (last progress: step {beats[r]['step']}, {beats[r]['phase']}, "
                               f"{now - beats[r]['time']:.0f} s ago)" for r in silent)
-            return "silent", f"no progress for {limit} s (training.launch.watchdog_s): {names}"
+            which = ("training.launch.watchdog_s" if any(beats[r]["phase"] != "started" for r in silent)
+                     else "no first step within training.launch.rendezvous_timeout_s")
+            return "silent", f"no progress for {limit if which.startswith('training') else startup} s ({which}): {names}"
         return None
 
 

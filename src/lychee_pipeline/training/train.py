@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     # One line from every rank, so a failed stage can quote each rank's last words (others log warnings only).
     print(f"[rank {accelerator.process_index}] started: pid {os.getpid()}, {accelerator.num_processes} process(es), "
           f"device {accelerator.device}", flush=True)
-    beat = Heartbeat(out_dir, accelerator.process_index)  # launcher watchdog: progress per rank
+    beat = Heartbeat(out_dir, accelerator.process_index, str(accelerator.distributed_type))  # launcher watchdog
     beat(0, "started")
     if accelerator.device.type == "cpu":
         torch.set_num_threads(train["launch"]["threads_per_process"])

@@ -82,6 +82,27 @@ def check_model_source(name_or_path: str) -> None:
                          "(and not a hub id of the form org/name)")
 
 
+def check_strategy(strategy: str, device_type: str) -> None:
+    """Refuse, in one line before anything launches, a sharded strategy that cannot run here.
+
+    fsdp2 on CPU: Accelerate (1.16) sets up FSDP only for GPU-type devices; with the CPU it quietly makes the
+    processes plain gloo DDP (`DistributedType.MULTI_CPU`, full unsharded checkpoints), so the template would
+    be ignored without a word. DeepSpeed is not installed here and its ZeRO needs CUDA GPUs.
+    """
+    if strategy == "fsdp2" and device_type != "cuda":
+        raise ValueError("invalid parameter training.launch.strategy: fsdp2 runs on CUDA GPUs only (Accelerate "
+                         "sets up FSDP for GPUs; on CPU it would silently train plain DDP); on CPU use ddp")
+    if strategy in ("zero2", "zero3"):
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ValueError(f"invalid parameter training.launch.strategy: {strategy} needs DeepSpeed, which is not "
+                             "installed (pip install deepspeed, on a machine with CUDA GPUs); use ddp or fsdp2")
+        if device_type != "cuda":
+            raise ValueError(f"invalid parameter training.launch.strategy: {strategy} (DeepSpeed ZeRO) runs on CUDA "
+                             "GPUs only here; on CPU use ddp or fsdp2")
+
+
 def plan_training(
     model: dict, training: dict, stages: dict, gpus: int, device: str, run: dict, overrides: dict | None = None
 ) -> dict[str, Any]:
@@ -112,6 +133,7 @@ def plan_training(
         log.info("no CUDA device in use: gpus=%d runs as %d CPU processes (gloo)", gpus, gpus)
     if model_params.finetune == "qlora" and device_type != "cuda":
         raise ValueError("model.finetune=qlora needs a CUDA GPU (bitsandbytes 4-bit); use lora or full on CPU")
+    check_strategy(training_params.launch.strategy, device_type)
     ladder = stage_devices(gpus)
     run_dir = Path(run["output_root"]) / run["name"]
     log.info("training plan: stages on %s device(s), outputs in %s", " -> ".join(map(str, ladder)), run_dir)
