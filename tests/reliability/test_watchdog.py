@@ -83,6 +83,28 @@ def test_a_rank_that_leaves_early_ends_the_stage_naming_it(tmp_path, reliability
     assert not [p for p in _rank_pids(stage_dir).values() if _alive(p)]
 
 
+def test_a_rank_stuck_in_teardown_after_the_result_is_written_ends_the_stage_done(tmp_path, reliability_table,
+                                                                                   no_fault_env, caplog):
+    """The issue's hang: rank 0 wrote result.json and exited, rank 1 stayed asleep in gloo after the final barrier.
+    Reproduced with LYCHEE_FAULT=hang_before_end_training on rank 1: the stage's work is done, so the launcher
+    stops the stuck process after hang_after_exit_s and returns the result, with a warning naming the rank."""
+    plan = stage_plan(tmp_path, gpus=2, max_steps=3, launch={"hang_after_exit_s": 5, "watchdog_s": 300,
+                                                             "process_group_timeout_s": 300, "timeout_s": 300})
+    no_fault_env.setenv("LYCHEE_FAULT", "hang_before_end_training")
+    no_fault_env.setenv("LYCHEE_FAULT_RANK", "1")
+    caplog.set_level("WARNING")
+    started = time.monotonic()
+    result = run_training_stage(reliability_table, plan, devices=2, final=True)
+    elapsed = time.monotonic() - started
+    assert result["steps"] == 3 and result["replica_max_diff"] == 0.0 and elapsed < 120, elapsed
+    # rank 1 hangs after the barrier; rank 0 then waits for it in end_training (or, past it, at exit): both named
+    assert "rank 1 (leaving)" in caplog.text and "passed the final barrier but did not exit within 5 s (stuck in " \
+        "process-group teardown)" in caplog.text, caplog.text
+    stage_dir = Path(plan["run_dir"]) / "stage_2cpu_final"
+    assert not [p for p in _rank_pids(stage_dir).values() if _alive(p)]
+    assert not (stage_dir / "RUNNING.lock").exists()
+
+
 # --- the rules, on heartbeat files of real processes (no launch) ---------------------------------------------
 
 @pytest.fixture
@@ -128,7 +150,8 @@ def test_rule_work_done_but_a_process_stuck_in_teardown(tmp_path, sleeper, dead_
     dog = Watchdog(tmp_path, LAUNCH, devices=2)
     assert dog.check() is None
     kind, reason = dog.check(now=time.time() + 4)
-    assert kind == "teardown" and reason.startswith("rank 1 said done but did not exit within 3 s"), reason
+    assert kind == "teardown" and reason.startswith("rank 1 (done) passed the final barrier but did not exit within 3 s"), \
+        reason
 
 
 def test_rule_silence_names_the_stalest_rank(tmp_path, sleeper):

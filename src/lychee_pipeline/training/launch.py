@@ -270,9 +270,11 @@ class Watchdog:
             if stuck:
                 gone = beats[first]
                 how = "exited" if not alive[first] else "said done"
-                if all(beats[r]["phase"] == "done" for r in stuck) and all(b["phase"] == "done" for b in beats.values()):
-                    return "teardown", (f"rank {', '.join(map(str, stuck))} said done but did not exit within {limit} s "
-                                        "(stuck in process teardown); stopped")
+                past_barrier = ("leaving", "done")
+                if all(b["phase"] in past_barrier for b in beats.values()):
+                    names = ", ".join(f"rank {r} ({beats[r]['phase']})" for r in sorted(stuck))
+                    return "teardown", (f"{names} passed the final barrier but did not exit within {limit} s (stuck in "
+                                        "process-group teardown); stopped")
                 names = ", ".join(f"rank {r} (last progress: step {beats[r]['step']}, {beats[r]['phase']}, "
                                   f"{now - beats[r]['time']:.0f} s ago)" for r in stuck)
                 return "hung", (f"{names} hung: rank {first} {how} after step {gone['step']} ({gone['phase']}) "

@@ -338,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("stage %s done: %d steps, %.1f pairs/s, final loss %.4f", spec["stage"], step, result["pairs_per_s"],
                  result["final_loss"])
     accelerator.wait_for_everyone()  # ranks leave together: a rank that exits early can hang in gloo teardown
+    beat(step, "leaving")  # past the final barrier: the launcher treats a hang from here on as teardown
+    fault_point("before_end_training")
     accelerator.end_training()
     beat(step, "done")
     return 0
