@@ -103,5 +103,12 @@ class ParameterCheckHooks:
         for node in pipeline.nodes:
             if node.name not in PLAN_NODES or not all(i.startswith("params:") for i in node.inputs):
                 continue
-            # The planning node itself, on the same parameters: no files, no processes, no run.
-            node.func(*(catalog.load(name) for name in node.inputs))
+            # The planning node itself, on the same parameters: no files, no processes, no run. Quietly: the
+            # node logs its plan when it runs.
+            quiet = logging.getLogger("lychee_pipeline.pipelines.training.nodes")
+            level = quiet.level
+            quiet.setLevel(logging.WARNING)
+            try:
+                node.func(*(catalog.load(name) for name in node.inputs))
+            finally:
+                quiet.setLevel(level)
