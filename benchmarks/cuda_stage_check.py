@@ -2,7 +2,8 @@
 launcher (`accelerate launch`, 1 GPU, bf16), then the saved model scored in bf16 against fp32.
 
 Needs torch, transformers, peft, accelerate, datasets, pyyaml; no kedro, no mlflow. Prints its figures.
-`python benchmarks/cuda_stage_check.py [--devices N] [--finetune lora|full|qlora]`
+`python benchmarks/cuda_stage_check.py [--devices N] [--finetune lora|full|qlora] [--strategy ddp|fsdp2|zero2|zero3]
+[--resume]` (--resume: a second launch resumes from the step-6 checkpoint and must repeat the losses after it)
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--finetune", default="lora")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this check needs a CUDA GPU"
     work = Path(tempfile.mkdtemp(prefix="cuda_check_"))
@@ -34,14 +37,38 @@ def main() -> None:
                     scheduler="constant", max_grad_norm=1.0, epochs=1, max_steps=args.steps, seed=1,
                     max_length=512, min_pixels=3136, max_pixels=50176, resolution_schedule=[],
                     checkpoint_every=6, keep_last=2, resume=False, log_every=3,
-                    launch=dict(strategy="ddp", mixed_precision="auto", num_machines=1, machine_rank=0,
+                    launch=dict(strategy=args.strategy, mixed_precision="auto", num_machines=1, machine_rank=0,
                                 main_process_ip=None, main_process_port=None, timeout_s=900,
                                 process_group_timeout_s=120, threads_per_process=1))
-    spec = {"stage": f"cuda_check_{args.devices}gpu", "data_path": str(data), "output_dir": str(work / "stage"),
+    template = None
+    if args.strategy != "ddp":
+        import yaml
+
+        template = yaml.safe_load((Path(__file__).parent.parent / "conf/base/accelerate" / f"{args.strategy}.yaml").read_text())
+    spec = {"stage": f"cuda_check_{args.devices}gpu_{args.strategy}", "data_path": str(data), "output_dir": str(work / "stage"),
             "model": {"name_or_path": "builtin:tiny", "finetune": args.finetune, "tiny_cache_dir": str(work / "tiny")},
             "training": training}
     started = time.perf_counter()
-    result = run_stage(work / "stage", spec, args.devices, "cuda")
+    result = run_stage(work / "stage", spec, args.devices, "cuda", template)
+    log_text = (work / "stage" / "launch.log").read_text()
+    print("checkpoint files:", sorted(str(p.relative_to(work / "stage")) for p in (work / "stage/checkpoints").rglob("*"))[:12])
+    beats = json.loads((work / "stage" / "heartbeat" / "rank0.json").read_text())
+    print("distributed type:", beats.get("distributed_type"), "| FSDP in the log:", "FSDP" in log_text)
+    if args.resume:
+        first = result["losses"]
+        import shutil
+
+        shutil.rmtree(work / "stage" / "adapter")
+        spec["training"] = {**training, "resume": True}
+        (work / "stage" / "result.json").unlink()
+        for ckpt in sorted((work / "stage/checkpoints").glob("checkpoint-*")):
+            if ckpt.name != "checkpoint-6":
+                shutil.rmtree(ckpt)
+        again = run_stage(work / "stage", spec, args.devices, "cuda", template)
+        pairs = [(a, b) for a, b in zip(first, again["losses"]) if a[0] > 6]
+        print("resume from checkpoint-6: steps", [a[0] for a, _ in pairs], "max loss diff",
+              max(abs(a[1] - b[1]) for a, b in pairs) if pairs else None)
+        result = again
     print(json.dumps({k: result[k] for k in ("stage", "devices", "device_type", "steps", "pairs_per_s",
                                              "peak_mem_gib", "final_loss", "replica_max_diff")}))
     losses = [x for _, x in result["losses"]]

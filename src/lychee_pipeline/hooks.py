@@ -7,6 +7,10 @@ on Ctrl-C (KeyboardInterrupt) nothing ended the run and MLflow's own exit handle
   it unwinds like Ctrl-C (a running training stage stops its processes on the way);
 - on an error, the run gets a `failure_reason` tag before kedro-mlflow ends it as FAILED;
 - on an interrupt, an exit handler (it runs before MLflow's) tags the run and ends it as KILLED.
+
+`ParameterCheckHooks` validates the training parameters before any run is opened: its `before_pipeline_run` runs
+first (tryfirst) and a bad parameter raises there, so kedro-mlflow's `before_pipeline_run` never starts the parent
+run: a one-line parameter error leaves no MLflow run at all.
 """
 
 from __future__ import annotations
@@ -88,3 +92,23 @@ def _active_run_id() -> str | None:
         return None
     run = mlflow.active_run()
     return run.info.run_id if run is not None else None
+
+
+PLAN_NODES = ("plan_training_stages", "plan_smoke_training")  # the nodes that validate the training parameters
+
+
+class ParameterCheckHooks:
+    @hook_impl(tryfirst=True)  # before kedro-mlflow opens the parent run
+    def before_pipeline_run(self, run_params, pipeline, catalog) -> None:
+        for node in pipeline.nodes:
+            if node.name not in PLAN_NODES or not all(i.startswith("params:") for i in node.inputs):
+                continue
+            # The planning node itself, on the same parameters: no files, no processes, no run. Quietly: the
+            # node logs its plan when it runs.
+            quiet = logging.getLogger("lychee_pipeline.pipelines.training.nodes")
+            level = quiet.level
+            quiet.setLevel(logging.WARNING)
+            try:
+                node.func(*(catalog.load(name) for name in node.inputs))
+            finally:
+                quiet.setLevel(level)

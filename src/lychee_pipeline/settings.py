@@ -17,6 +17,6 @@ CONFIG_LOADER_ARGS = {
     "custom_resolvers": {"abspath": lambda path: Path(path).resolve().as_posix()},
 }
 
-from lychee_pipeline.hooks import RunOutcomeHooks  # noqa: E402
+from lychee_pipeline.hooks import ParameterCheckHooks, RunOutcomeHooks  # noqa: E402
 
-HOOKS = (RunOutcomeHooks(),)
+HOOKS = (ParameterCheckHooks(), RunOutcomeHooks())

@@ -80,3 +80,35 @@ def test_efficiency_over_too_few_or_too_unequal_steps_is_marked_not_comparable()
     assert unequal["scaling_efficiency"] is None and "more than 4x apart" in unequal["not_comparable"]
     close = scaling_report([stage("a", 1, 100.0, steps=101), stage("b", 2, 180.0, steps=201)], 36_000)["rows"][1]
     assert close["scaling_efficiency"] == pytest.approx(0.9) and close["comparable"] is True
+
+
+def _timed(name, devices, steps, seconds_per_step, first_steps_s=5.0, device_type="cpu", pairs_per_step=8, skip=()):
+    """A stage result with per-step timings: slow warm-up steps 1-2, then `seconds_per_step`."""
+    times = [[k, first_steps_s if k <= 2 else seconds_per_step] for k in range(1, steps + 1) if k not in skip]
+    total = sum(t for _, t in times)
+    return {"stage": name, "devices": devices, "device_type": device_type, "steps": steps,
+            "train_pairs": steps * pairs_per_step * devices, "wall_time_s": total,
+            "pairs_per_s": (steps - 1) * pairs_per_step * devices / sum(t for k, t in times if k > 1),
+            "step_seconds": times}
+
+
+def test_stages_are_compared_over_the_same_window_of_steps():
+    # a 10-step check stage and a 900-step final stage: the all-steps rates mix in different warm-up shares
+    # (the check stage looks half as fast per device); over the same steps 3-10 the per-step speed is equal.
+    report = scaling_report([_timed("check_1", 1, 10, 0.5), _timed("final_2", 2, 900, 0.5)], full_train_pairs=8000)
+    check, final = report["rows"]
+    assert check["window"] == final["window"] == [3, 10] and check["rate_steps"] == final["rate_steps"] == 8
+    assert check["pairs_per_s"] == pytest.approx(16.0) and final["pairs_per_s"] == pytest.approx(32.0)
+    assert final["scaling_efficiency"] == pytest.approx(1.0) and final["comparable"]
+    assert final["pairs_per_s_all_steps"] > 31.0 and check["pairs_per_s_all_steps"] < 12.0
+    assert final["epoch_time_s"] == pytest.approx(8000 / 32.0)
+
+
+def test_a_window_too_short_or_not_timed_everywhere_is_not_comparable():
+    short = scaling_report([_timed("a", 1, 5, 0.5), _timed("b", 2, 50, 0.5)], full_train_pairs=None)["rows"][1]
+    assert short["scaling_efficiency"] is None and "common window (steps 3-5 after 2 warm-up) has 3 steps" in \
+        short["not_comparable"]
+    resumed = scaling_report([_timed("a", 1, 20, 0.5), _timed("b", 2, 40, 0.5, skip=range(1, 7))],
+                             full_train_pairs=None)["rows"][1]
+    assert resumed["scaling_efficiency"] is None
+    assert resumed["not_comparable"] == "b did not time steps 3-6 of the common window 3-20 (resumed?)"

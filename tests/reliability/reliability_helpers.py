@@ -48,7 +48,7 @@ def make_table(root, negatives: int = 5) -> pa.Table:
     return pa.Table.from_pylist(rows)
 
 
-def stage_plan(tmp_path, gpus: int = 1, launch: dict | None = None, **training):
+def stage_plan(tmp_path, gpus: int = 1, launch: dict | None = None, model: dict | None = None, **training):
     """A CPU plan of tiny, fast stages (builtin:tiny, LoRA r=4, 4 pairs per group)."""
     from lychee_pipeline.pipelines.training.nodes import plan_training
 
@@ -56,7 +56,7 @@ def stage_plan(tmp_path, gpus: int = 1, launch: dict | None = None, **training):
                 max_length=256, max_pixels=12544, checkpoint_every=100, keep_last=3, seed=3,
                 launch={"timeout_s": 300, "process_group_timeout_s": 20, **(launch or {})})
     base.update(training)
-    return plan_training({"name_or_path": "builtin:tiny", "lora": {"r": 4}}, base, {}, gpus, "cpu",
+    return plan_training({"name_or_path": "builtin:tiny", "lora": {"r": 4}, **(model or {})}, base, {}, gpus, "cpu",
                          {"name": "r", "output_root": str(tmp_path)})
 
 

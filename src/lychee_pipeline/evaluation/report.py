@@ -225,7 +225,8 @@ def render_markdown(document: Mapping[str, Any], plots_dir: str = "plots") -> st
             ["stage", "devices", "wall time (s)", "pairs/s (timed steps)", "efficiency", "peak mem/device (GiB)",
              "epoch (h)", "device-h/epoch", "relative device-h", "MRR@10"],
             [[r["stage"], r["label"], _fmt(r["wall_time_s"], 1),
-              _fmt(r["pairs_per_s"], 2) + (f" ({r['rate_steps']})" if r.get("rate_steps") is not None else ""),
+              _fmt(r["pairs_per_s"], 2) + (f" (steps {r['window'][0]}-{r['window'][1]})" if r.get("window")
+                                          else f" ({r['rate_steps']})" if r.get("rate_steps") is not None else ""),
               (f"{100 * r['scaling_efficiency']:.0f}%" if _num(r.get("scaling_efficiency")) is not None
                else "not comparable" if r.get("not_comparable") else "–"),
               ", ".join(f"{m:.2f}" for m in r["peak_mem_gib"]) or "–",

@@ -25,6 +25,14 @@ fewer than ``MIN_RATE_STEPS`` timed steps, or the two differ by more than ``MAX_
 ``not_comparable`` says why (the raw ratio stays in ``raw_efficiency``). Stages without ``steps`` are taken as
 comparable (older results).
 
+Same window (like with like): when every stage of a device type carries ``step_seconds`` ([step, seconds] of
+each optimizer step, written by train.py), all of them are timed over the same steps: after
+``WINDOW_WARMUP_STEPS`` warm-up steps, steps ``WINDOW_WARMUP_STEPS + 1`` to the last step every stage timed
+(``window`` = [first, last], ``rate_steps`` = its length). ``pairs_per_s`` is then that window's rate
+(pairs per step x steps / their seconds); the all-steps rate stays in ``pairs_per_s_all_steps``. A window
+shorter than ``MIN_WINDOW_STEPS`` or a stage that did not time every step of it (a resumed stage) is marked
+not comparable, with the reason.
+
 The most cost-effective device count is the one with the fewest device-hours per epoch (ties go to
 the faster, then to fewer devices).
 """
@@ -37,6 +45,8 @@ from typing import Any
 
 MIN_RATE_STEPS = 20  # timed steps a rate must rest on before it is compared with another
 MAX_RATE_STEPS_RATIO = 4.0
+WINDOW_WARMUP_STEPS = 2  # steps left out of every stage's window (first-step compile, allocator warm-up)
+MIN_WINDOW_STEPS = 5  # a common window shorter than this is not a scaling figure
 
 
 def rate_steps(stage: Mapping[str, Any]) -> int | None:
@@ -49,6 +59,10 @@ def rate_steps(stage: Mapping[str, Any]) -> int | None:
 
 
 def _why_not_comparable(row: Mapping[str, Any], ref: Mapping[str, Any]) -> str | None:
+    if row.get("window_problem") or ref.get("window_problem"):
+        return row.get("window_problem") or ref.get("window_problem")
+    if row.get("window") is not None and ref.get("window") is not None:
+        return None  # the same steps timed in both: like with like
     a, b = row.get("rate_steps"), ref.get("rate_steps")
     if row is ref or a is None or b is None:
         return None
@@ -101,7 +115,34 @@ def _row(stage: Mapping[str, Any], index: int, full_train_pairs: int | None) -> 
         "mrr_at_10": float(mrr) if mrr is not None else None,
         "steps": int(stage["steps"]) if stage.get("steps") is not None else None,
         "rate_steps": rate_steps(stage),
+        "step_seconds": {int(k): float(v) for k, v in stage.get("step_seconds") or []},
+        "pairs_per_step": pairs / int(stage["steps"]) if stage.get("steps") else None,
+        "window": None,
     }
+
+
+def _apply_common_window(group: list[dict[str, Any]], full_train_pairs: int | None) -> None:
+    """Time every stage of the group over the same steps (see the module text); rows are updated in place."""
+    if not group or not all(r["step_seconds"] and r["pairs_per_step"] for r in group):
+        return
+    first = WINDOW_WARMUP_STEPS + 1
+    last = min(max(r["step_seconds"]) for r in group)
+    for r in group:
+        r["window"], r["rate_steps"] = [first, last], max(0, last - first + 1)
+        r["pairs_per_s_all_steps"] = r["pairs_per_s"]
+        missing = [k for k in range(first, last + 1) if k not in r["step_seconds"]]
+        if last - first + 1 < MIN_WINDOW_STEPS:
+            r["window_problem"] = (f"the common window (steps {first}-{last} after {WINDOW_WARMUP_STEPS} warm-up) has "
+                                   f"{max(0, last - first + 1)} steps; at least {MIN_WINDOW_STEPS} are needed")
+        elif missing:
+            r["window_problem"] = (f"{r['stage']} did not time steps {missing[0]}-{missing[-1]} of the common window "
+                                   f"{first}-{last} (resumed?)")
+        if r["rate_steps"] and not missing:
+            seconds = sum(r["step_seconds"][k] for k in range(first, last + 1))
+            r["pairs_per_s"] = r["pairs_per_step"] * r["rate_steps"] / seconds if seconds > 0 else float("nan")
+            epoch = full_train_pairs / r["pairs_per_s"] if full_train_pairs and r["pairs_per_s"] > 0 else None
+            r["epoch_time_s"] = epoch
+            r["device_hours_per_epoch"] = r["devices"] * epoch / 3600.0 if epoch is not None else None
 
 
 def scaling_report(stages: Sequence[Mapping[str, Any]], full_train_pairs: int | None) -> dict[str, Any]:
@@ -109,6 +150,7 @@ def scaling_report(stages: Sequence[Mapping[str, Any]], full_train_pairs: int | 
     rows = [_row(s, i, full_train_pairs) for i, s in enumerate(stages)]
     for device_type in {r["device_type"] for r in rows}:
         group = [r for r in rows if r["device_type"] == device_type]
+        _apply_common_window(group, full_train_pairs)
         ref = min(group, key=lambda r: (r["devices"], -r["pairs_per_s"]))
         per_device = ref["pairs_per_s"] / ref["devices"]
         for r in group:
@@ -123,6 +165,9 @@ def scaling_report(stages: Sequence[Mapping[str, Any]], full_train_pairs: int | 
             r["scaling_efficiency"] = r["raw_efficiency"] if why is None else None
             if why is not None:
                 r["relative_device_hours"] = None
+    for r in rows:  # the per-step list served the window; the report keeps its summary only
+        r.pop("step_seconds", None)
+        r.setdefault("window_problem", None)
     costed = [r for r in rows if r["device_hours_per_epoch"] is not None]
     best = min(costed, key=lambda r: (r["device_hours_per_epoch"], r["epoch_time_s"], r["devices"])) if costed else None
     fastest = min(costed, key=lambda r: (r["epoch_time_s"], r["devices"])) if costed else None

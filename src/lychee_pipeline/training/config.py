@@ -43,6 +43,10 @@ class LaunchParams(_Strict):
     main_process_port: int | None = Field(None, ge=1024, le=65535)
     timeout_s: PositiveInt = 6 * 3600  # wall-clock limit of one stage's launcher
     process_group_timeout_s: PositiveInt = 600  # a rank waiting longer on a collective fails
+    # The launcher's watchdog (per-rank heartbeat files, see training/heartbeat.py):
+    watchdog_s: PositiveInt = 1800  # a rank with no progress (no step, no phase change) this long stops the stage
+    hang_after_exit_s: PositiveInt = 120  # after one rank exited, another silent this long is named as hung
+    rendezvous_timeout_s: PositiveInt = 900  # startup limit: past the rendezvous (else the missing machines named) and to step 1
     threads_per_process: PositiveInt = 1  # CPU runs only
 
 

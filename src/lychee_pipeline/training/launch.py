@@ -31,6 +31,8 @@ from typing import Any
 
 import yaml
 
+from lychee_pipeline.training import heartbeat
+
 log = logging.getLogger(__name__)
 
 RANK_PREFIX = re.compile(r"^\[default(\d+)\]:|^\[rank (\d+)\]")  # torchrun's --tee prefix, or our log format
@@ -168,6 +170,135 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
+STACK_FRAME = re.compile(r'^\s*File "(.+)", line (\d+) in (\S+)')
+STACK_WAIT_S = 2.0  # after SIGUSR1, for the ranks' stacks to reach the log
+
+
+def _short_path(path: str) -> str:
+    for marker in ("site-packages/", "src/"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    return path
+
+
+def _where(frames: list[str]) -> str:
+    """The innermost frame, and the innermost frame of our own code when that is elsewhere (in torch, say)."""
+    ours = next((f for f in frames if f.startswith("lychee_pipeline/")), None)
+    return frames[0] + (f" (from {ours})" if ours and ours != frames[0] else "")
+
+
+class Watchdog:
+    """Reads the ranks' heartbeat files (training/heartbeat.py) and says when a stage must be stopped.
+
+    `check()` returns None while the stage is healthy, else (kind, one-line reason): `hung` (a rank exited or
+    said done while another alive one made no progress for `hang_after_exit_s`), `silent` (an alive rank made
+    no progress for `watchdog_s`), `rendezvous` (no rank of this machine got past the rendezvous in
+    `rendezvous_timeout_s`) or `teardown` (every rank said done, result written, one process did not exit).
+    """
+
+    def __init__(self, stage_dir: Path, launch: dict[str, Any], devices: int, port: int | None = None):
+        self.stage_dir, self.launch, self.devices, self.port = Path(stage_dir), launch, devices, port
+        self.started = time.time()
+        self.left_at: dict[int, float] = {}  # rank -> when we first saw it exited or done
+        self.host = socket.gethostname()
+        self.beats: dict[int, dict] = {}
+        self.exited_at: dict[int, float] = {}  # rank -> when its process was first seen gone (polled often)
+
+    def note_exits(self) -> None:
+        """Cheap (no file reads): remember when each known rank's process went away, to tell who left first."""
+        now = time.time()
+        for rank, b in self.beats.items():
+            if rank not in self.exited_at and not self._alive(b):
+                self.exited_at[rank] = now
+
+    def ask_for_stacks(self) -> bool:
+        """SIGUSR1 to every alive rank of this machine: each prints its Python stack (faulthandler)."""
+        asked = False
+        for b in self.beats.values():
+            if b.get("host") in (self.host, os.uname().nodename) and _pid_alive(int(b["pid"])):
+                with contextlib.suppress(OSError):
+                    os.kill(int(b["pid"]), heartbeat.STACK_SIGNAL)
+                    asked = True
+        return asked
+
+    def _alive(self, record: dict) -> bool:
+        return record.get("host") not in (None, self.host, os.uname().nodename) or _pid_alive(int(record["pid"]))
+
+    def describe(self, now: float | None = None) -> str:
+        """`rank 0 step 3 (step, 2 s ago, exited); rank 1 ...` from the last heartbeats read."""
+        now = now or time.time()
+        self.beats = heartbeat.read_heartbeats(self.stage_dir) or self.beats
+        parts = []
+        for rank, b in sorted(self.beats.items()):
+            state = "alive" if self._alive(b) else "exited"
+            if rank in self.exited_at and len(self.exited_at) < len(self.beats) + 1:
+                others = [t for r, t in self.exited_at.items() if r != rank]
+                if all(self.exited_at[rank] < t - 0.1 for t in others) and (others or len(self.beats) > 1):
+                    state = "exited first"
+            parts.append(f"rank {rank} at step {b['step']} ({b['phase']}, {now - b['time']:.0f} s ago, {state})")
+        return "; ".join(parts) if parts else "no rank reported progress"
+
+    def check(self, now: float | None = None) -> tuple[str, str] | None:
+        now = now or time.time()
+        beats = heartbeat.read_heartbeats(self.stage_dir)
+        if beats:
+            self.beats = beats
+        beats = self.beats
+        launch = self.launch
+        if not beats:
+            limit = launch.get("rendezvous_timeout_s", 900)
+            if now - self.started <= limit:
+                return None
+            machines, me = launch.get("num_machines", 1), launch.get("machine_rank", 0)
+            where = f"{launch.get('main_process_ip') or '127.0.0.1'}:{self.port or launch.get('main_process_port')}"
+            if machines > 1:
+                missing = [m for m in range(machines) if m != me]
+                return "rendezvous", (
+                    f"no rank of machine rank {me} got past the rendezvous at {where} within {limit} s: machine "
+                    f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of {machines} never "
+                    "arrived (start the same command there with its training.launch.machine_rank)")
+            return "rendezvous", f"no rank got past the process-group rendezvous at {where} within {limit} s"
+        alive = {rank: self._alive(b) for rank, b in beats.items()}
+        for rank, b in beats.items():
+            if (not alive[rank] or b["phase"] == "done") and rank not in self.left_at:
+                self.left_at[rank] = now
+        if self.left_at:
+            limit = launch.get("hang_after_exit_s", 120)
+            first = min(self.left_at, key=self.left_at.get)
+            stuck = [r for r, b in beats.items() if alive[r] and now - max(b["time"], self.left_at[first]) > limit
+                     and (r not in self.left_at or now - self.left_at[r] > limit)]
+            if stuck:
+                gone = beats[first]
+                how = "exited" if not alive[first] else "said done"
+                past_barrier = ("leaving", "done")
+                if all(b["phase"] in past_barrier for b in beats.values()):
+                    names = ", ".join(f"rank {r} ({beats[r]['phase']})" for r in sorted(stuck))
+                    return "teardown", (f"{names} passed the final barrier but did not exit within {limit} s (stuck in "
+                                        "process-group teardown); stopped")
+                names = ", ".join(f"rank {r} (last progress: step {beats[r]['step']}, {beats[r]['phase']}, "
+                                  f"{now - beats[r]['time']:.0f} s ago)" for r in stuck)
+                return "hung", (f"{names} hung: rank {first} {how} after step {gone['step']} ({gone['phase']}) "
+                                f"{now - self.left_at[first]:.0f} s ago and the rest made no progress for {limit} s "
+                                "(training.launch.hang_after_exit_s)")
+        # From the first step on, watchdog_s; before it (loading the model, the first step's warm-up), the
+        # startup gets rendezvous_timeout_s counted from the launch, as a 16 GB model takes a minute to load.
+        limit = launch.get("watchdog_s", 1800)
+        startup = max(limit, launch.get("rendezvous_timeout_s", 900))
+
+        def over(b: dict) -> bool:
+            return now - b["time"] > limit if b["phase"] != "started" else now - self.started > startup
+
+        silent = sorted((r for r, b in beats.items() if alive[r] and r not in self.left_at and over(b)),
+                        key=lambda r: beats[r]["time"])
+        if silent:
+            names = ", ".join(f"rank {r} (last progress: step {beats[r]['step']}, {beats[r]['phase']}, "
+                              f"{now - beats[r]['time']:.0f} s ago)" for r in silent)
+            which = ("training.launch.watchdog_s" if any(beats[r]["phase"] != "started" for r in silent)
+                     else "no first step within training.launch.rendezvous_timeout_s")
+            return "silent", f"no progress for {limit if which.startswith('training') else startup} s ({which}): {names}"
+        return None
+
+
 def free_port() -> int:
     """A free TCP port on loopback for the rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -275,6 +406,7 @@ def _run_stage(
     config_path = stage_dir / "accelerate.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=True))
     (stage_dir / "result.json").unlink(missing_ok=True)
+    heartbeat.clear(stage_dir)
     rank_logs = stage_dir / "rank_logs"
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path)]
     if config["num_processes"] > 1:
@@ -286,6 +418,8 @@ def _run_stage(
              "GPU" if device_type == "cuda" else "CPU", " ".join(command))
 
     last_lines: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=8))
+    stacks: dict[str, list[str]] = {}  # rank -> innermost frames of a stack it printed (SIGUSR1, faulthandler)
+    in_stack: set[str] = set()
     with open(log_path, "w", encoding="utf-8") as log_file:
         process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
@@ -299,8 +433,19 @@ def _run_stage(
                 line = line.rstrip()
                 match = RANK_PREFIX.match(line)
                 rank = next((g for g in match.groups() if g is not None), None) if match else None
-                if not NOISE.search(line[match.end():] if match else line):
-                    last_lines[f"rank {rank}" if rank is not None else "launcher"].append(line)
+                who = f"rank {rank}" if rank is not None else "launcher"
+                text = line[match.end():] if match else line
+                if heartbeat.STACK_HEADER in text:
+                    in_stack.add(who)
+                    stacks[who] = []
+                elif who in in_stack:
+                    frame = STACK_FRAME.match(text)
+                    if frame and len(stacks[who]) < 12:
+                        stacks[who].append(f"{_short_path(frame.group(1))}:{frame.group(2)} {frame.group(3)}")
+                    elif not frame:
+                        in_stack.discard(who)
+                if not NOISE.search(text) and who not in in_stack and heartbeat.STACK_HEADER not in text:
+                    last_lines[who].append(line)
                 if line:
                     log.info("%s", line, extra={"markup": False})  # child output is not rich markup
 
@@ -309,6 +454,9 @@ def _run_stage(
         atexit.register(safety_net)  # an exit we did not see coming still takes the stage's processes along
         deadline = time.monotonic() + launch["timeout_s"]
         timed_out = False
+        watchdog = Watchdog(stage_dir, launch, devices, config["main_process_port"])
+        stopped: tuple[str, str] | None = None  # (kind, reason) when the watchdog stopped the stage
+        next_check = time.monotonic() + 1.0
         try:
             reader.start()
             while process.poll() is None:
@@ -316,6 +464,17 @@ def _run_stage(
                     timed_out = True
                     stop_process_group(process, grace_s=30)
                     break
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + 1.0
+                    stopped = watchdog.check()
+                    if stopped:
+                        log.error("stage %s: %s", spec["stage"], stopped[1])
+                        if stopped[0] in ("silent", "hung"):  # where each alive rank is, before it is stopped
+                            if watchdog.ask_for_stacks():
+                                time.sleep(STACK_WAIT_S)
+                        stop_process_group(process, grace_s=5)
+                        break
+                watchdog.note_exits()
                 time.sleep(0.2)
             process.wait()
         except BaseException as exc:  # Ctrl-C, SIGTERM, anything: nothing of the stage may outlive us
@@ -334,11 +493,29 @@ def _run_stage(
         reader.join(timeout=10)
 
     result_path = stage_dir / "result.json"
-    if timed_out or process.returncode != 0 or not result_path.is_file():
-        why = f"timed out after {launch['timeout_s']} s" if timed_out else f"exited with code {process.returncode}"
+    if stopped and stopped[0] == "teardown" and result_path.is_file():
+        log.warning("stage %s: its work is done (result.json written) but %s", spec["stage"], stopped[1])
+        return json.loads(result_path.read_text())
+    machine_rank, machines = launch.get("machine_rank", 0), launch.get("num_machines", 1)
+    if machine_rank > 0 and not (timed_out or stopped) and process.returncode == 0:
+        # Another machine's rank 0 writes result.json (into its own stage folder); ours only trained.
+        log.info("stage %s: machine rank %d of %d done (the result is written on machine rank 0)",
+                 spec["stage"], machine_rank, machines)
+        return {"stage": spec["stage"], "machine_rank": machine_rank, "num_machines": machines,
+                "result_on_machine_rank_0": True, "progress": watchdog.describe()}
+    if timed_out or stopped or process.returncode != 0 or not result_path.is_file():
+        if stopped:
+            why = f"stopped by the watchdog: {stopped[1]}"
+        elif timed_out:
+            why = f"timed out after {launch['timeout_s']} s"
+        else:
+            why = f"exited with code {process.returncode}"
         if config["num_processes"] > 1:  # name every rank, also one that died before it said anything
             for rank in range(config["num_processes"]):
                 last_lines.setdefault(f"rank {rank}", collections.deque(["(no output)"]))
+        if stacks:
+            why += ". Where the ranks were: " + "; ".join(
+                f"{who} in {_where(frames)}" for who, frames in sorted(stacks.items()) if frames)
         tails = "\n".join(
             f"  {who}:\n" + "\n".join(f"    {line}" for line in lines) for who, lines in sorted(last_lines.items())
         )
@@ -346,6 +523,7 @@ def _run_stage(
         raise StageFailed(
             f"training stage {spec['stage']!r} {why}. Full log: {log_path}"
             + (f"; per-rank logs: {rank_logs}" if rank_logs.exists() else "")
+            + f"\nProgress: {watchdog.describe()}"
             + f"\nLast lines:\n{tails}"
         )
     return json.loads(result_path.read_text())

@@ -29,6 +29,7 @@ from lychee_pipeline.reranker.collate import max_pixels_at
 from lychee_pipeline.reranker.processing import ProcessingConfig
 from lychee_pipeline.tracking import StageTracker
 from lychee_pipeline.training import checkpoints
+from lychee_pipeline.training.heartbeat import Heartbeat  # read by the launcher's watchdog (launch.py)
 from lychee_pipeline.training.sampling import EpochPermutation, Slot, SlotDataset, loss_scale
 from lychee_pipeline.training.schedule import Schedule
 
@@ -56,8 +57,16 @@ def fault_point(name: str) -> None:
     Points: `after_step_<n>`, `during_checkpoint` (any checkpoint) / `during_checkpoint_<step>` (after
     save_state, before publish); LYCHEE_FAULT_RANK picks the rank (default 0). `nan_loss` is read in the loop.
     """
-    if os.environ.get("LYCHEE_FAULT") == name and os.environ.get("LYCHEE_FAULT_RANK", "0") == os.environ.get("RANK", "0"):
+    if os.environ.get("LYCHEE_FAULT_RANK", "0") != os.environ.get("RANK", "0"):
+        return
+    fault = os.environ.get("LYCHEE_FAULT")
+    if fault == name:
         os.kill(os.getpid(), 9)
+    if fault == f"hang_{name}":  # watchdog tests: this rank goes silent (alive, no progress), e.g. hang_after_step_2
+        while True:
+            time.sleep(3600)
+    if fault == f"exit_{name}":  # a rank that leaves early with exit code 0 while the others wait for it
+        os._exit(0)
 
 
 def injected_nan(step: int) -> bool:
@@ -97,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     # One line from every rank, so a failed stage can quote each rank's last words (others log warnings only).
     print(f"[rank {accelerator.process_index}] started: pid {os.getpid()}, {accelerator.num_processes} process(es), "
           f"device {accelerator.device}", flush=True)
+    beat = Heartbeat(out_dir, accelerator.process_index, str(accelerator.distributed_type))  # launcher watchdog
+    beat(0, "started")
     if accelerator.device.type == "cpu":
         torch.set_num_threads(train["launch"]["threads_per_process"])
     set_seed(train["seed"], device_specific=False)
@@ -180,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     model.train()
     started, window_start, window_tokens = time.perf_counter(), time.perf_counter(), 0
     train_time, steps_timed = 0.0, 0
+    step_seconds = []  # [step, seconds] of every optimizer step, for the scaling report's equal windows
     epoch = step // steps_per_epoch
     while step < total_steps:
         # Through the prepared loader: Accelerate sets the sampler's epoch from its own counter on every
@@ -241,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             elapsed, window_start = now - window_start, now
             tokens = accelerator.reduce(torch.tensor(window_tokens, device=accelerator.device), reduction="sum").item()
             window_tokens = 0
+            step_seconds.append([step, elapsed])
             if step > 1:  # the first step carries warm-up cost; rates come from the rest
                 train_time, steps_timed = train_time + elapsed, steps_timed + 1
             if accelerator.is_main_process and (step % train["log_every"] == 0 or step == total_steps):
@@ -264,11 +277,13 @@ def main(argv: list[str] | None = None) -> int:
                 state = {"step": step, "losses": losses, "learning_rates": learning_rates,
                          "skipped_steps": skipped_steps}
                 save_checkpoint(accelerator, ckpt_root, step, state, train["keep_last"])
+            beat(step, "step")
             fault_point(f"after_step_{step}")
             if step >= total_steps:
                 break
         epoch += 1
 
+    beat(step, "finishing")
     # Replicas must agree after DDP steps; gather one fingerprint per rank and compare.
     fingerprints = accelerator.gather(replica_fingerprint(accelerator.unwrap_model(model)).unsqueeze(0))
     replica_diff = (fingerprints - fingerprints[0]).abs().max().item()
@@ -293,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             "wall_time_s": wall,
             "pairs_per_s": (steps_timed * pairs_per_step / train_time) if steps_timed else step * pairs_per_step / wall,
             "peak_mem_gib": peak.tolist(),
+            "step_seconds": step_seconds,
             "losses": losses,
             "learning_rates": learning_rates,
             "schedule": dataclasses.asdict(schedule),
@@ -320,7 +336,10 @@ def main(argv: list[str] | None = None) -> int:
         log.info("stage %s done: %d steps, %.1f pairs/s, final loss %.4f", spec["stage"], step, result["pairs_per_s"],
                  result["final_loss"])
     accelerator.wait_for_everyone()  # ranks leave together: a rank that exits early can hang in gloo teardown
+    beat(step, "leaving")  # past the final barrier: the launcher treats a hang from here on as teardown
+    fault_point("before_end_training")
     accelerator.end_training()
+    beat(step, "done")
     return 0
 
 

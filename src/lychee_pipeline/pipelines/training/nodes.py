@@ -82,6 +82,27 @@ def check_model_source(name_or_path: str) -> None:
                          "(and not a hub id of the form org/name)")
 
 
+def check_strategy(strategy: str, device_type: str) -> None:
+    """Refuse, in one line before anything launches, a sharded strategy that cannot run here.
+
+    fsdp2 on CPU: Accelerate (1.16) sets up FSDP only for GPU-type devices; with the CPU it quietly makes the
+    processes plain gloo DDP (`DistributedType.MULTI_CPU`, full unsharded checkpoints), so the template would
+    be ignored without a word. DeepSpeed is not installed here and its ZeRO needs CUDA GPUs.
+    """
+    if strategy == "fsdp2" and device_type != "cuda":
+        raise ValueError("invalid parameter training.launch.strategy: fsdp2 runs on CUDA GPUs only (Accelerate "
+                         "sets up FSDP for GPUs; on CPU it would silently train plain DDP); on CPU use ddp")
+    if strategy in ("zero2", "zero3"):
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ValueError(f"invalid parameter training.launch.strategy: {strategy} needs DeepSpeed, which is not "
+                             "installed (pip install deepspeed, on a machine with CUDA GPUs); use ddp or fsdp2")
+        if device_type != "cuda":
+            raise ValueError(f"invalid parameter training.launch.strategy: {strategy} (DeepSpeed ZeRO) runs on CUDA "
+                             "GPUs only here; on CPU use ddp or fsdp2")
+
+
 def plan_training(
     model: dict, training: dict, stages: dict, gpus: int, device: str, run: dict, overrides: dict | None = None
 ) -> dict[str, Any]:
@@ -97,6 +118,13 @@ def plan_training(
         raise ValueError("invalid parameter model.trust_remote_code: remote code is never run "
                          "(Qwen2.5-VL is a native transformers model); set it to false")
     check_model_source(model_params.name_or_path)
+    launch = training_params.launch
+    if launch.machine_rank >= launch.num_machines:
+        raise ValueError(f"invalid parameter training.launch.machine_rank: {launch.machine_rank} must be below "
+                         f"training.launch.num_machines {launch.num_machines}")
+    if launch.num_machines > 1 and not launch.main_process_port:
+        raise ValueError("invalid parameter training.launch.main_process_port: a multi-node run needs the same "
+                         "fixed port on every machine (null picks a free one on each)")
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise ValueError(f"parameter gpus must be a positive integer, got {gpus!r}")
     device_type = resolve_device(device)
@@ -105,6 +133,7 @@ def plan_training(
         log.info("no CUDA device in use: gpus=%d runs as %d CPU processes (gloo)", gpus, gpus)
     if model_params.finetune == "qlora" and device_type != "cuda":
         raise ValueError("model.finetune=qlora needs a CUDA GPU (bitsandbytes 4-bit); use lora or full on CPU")
+    check_strategy(training_params.launch.strategy, device_type)
     ladder = stage_devices(gpus)
     run_dir = Path(run["output_root"]) / run["name"]
     log.info("training plan: stages on %s device(s), outputs in %s", " -> ".join(map(str, ladder)), run_dir)
@@ -222,7 +251,8 @@ def _strategy_template(plan: dict) -> dict | None:
 
 # Spec keys that do not change what a stage computes: a finished stage is reused across them.
 _NOT_HASHED = {"resume", "reuse_finished"}
-_NOT_HASHED_LAUNCH = {"timeout_s", "process_group_timeout_s", "main_process_port"}
+_NOT_HASHED_LAUNCH = {"timeout_s", "process_group_timeout_s", "main_process_port", "watchdog_s",
+                      "hang_after_exit_s", "rendezvous_timeout_s"}
 
 
 def spec_hash(spec: dict[str, Any]) -> str:
@@ -319,6 +349,10 @@ def schedule_problem(result: dict) -> str | None:
 
 def check_stage(result: dict, plan: dict) -> dict:
     """The gate between stages: finite loss, a falling loss from 2 devices on, replicas in sync."""
+    if result.get("result_on_machine_rank_0"):  # multi-node: machine rank 0 holds the result and gates it
+        log.info("stage %s: machine rank %d trained its part; the gate runs on machine rank 0", result["stage"],
+                 result["machine_rank"])
+        return result
     gate, where = plan["stages"]["gate"], f"(logs: {Path(result['adapter_dir']).parent / 'launch.log'})"
     losses = [loss for _, loss in result["losses"]]
     if gate["require_finite"] and (not losses or not all(math.isfinite(x) for x in losses)):
