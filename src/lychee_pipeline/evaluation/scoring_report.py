@@ -18,7 +18,8 @@ def sampled_note(scoring: Mapping[str, Any] | None) -> str | None:
     first = sampled[0][1]
     return (f"**Sampled figures:** {names} (check stages, scored as gates) are measured on a fixed sample of "
             f"{first['queries']} of the {first['test_queries']} test queries (seed {scoring.get('seed')}), "
-            "not the whole split; their comparisons with the base model are paired over those queries only.")
+            "not the whole split (in the ranking and scaling tables alike); their comparisons with the base model "
+            "are paired over those queries only.")
 
 
 def scoring_markdown(scoring: Mapping[str, Any] | None) -> list[str]:
