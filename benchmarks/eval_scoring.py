@@ -3,6 +3,7 @@
     PYTHONPATH=src python benchmarks/eval_scoring.py                 # CPU: builtin:tiny, 1 vs 2 processes
     PYTHONPATH=src python benchmarks/eval_scoring.py --processes 1,2,4
     PYTHONPATH=src python benchmarks/eval_scoring.py --cuda          # one GPU: the Qwen2.5-VL-7B architecture
+    PYTHONPATH=src python benchmarks/eval_scoring.py --cuda --tiny-arch --queries 2   # that code path, on a CPU
 
 CPU: the pairs (``--queries`` x ``--docs``, text of mixed length, one small PNG per second document, fixed
 seed) are written once as Parquet and scored by the same code `kedro run` uses:
@@ -129,7 +130,9 @@ def cuda_benchmark(args) -> dict:
     from lychee_pipeline.reranker import fast_vision
     from lychee_pipeline.reranker.inference import Reranker
 
-    device, dtype = torch.device("cuda"), torch.bfloat16
+    # without CUDA (with --tiny-arch) the same code path runs on the CPU in fp32, to check it, not to time it
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tiny_dir = args.work_dir or tempfile.mkdtemp(prefix="eval_scoring_tiny_")
     model = inf.build(tiny=args.tiny_arch, device=device, dtype=dtype, tiny_dir=tiny_dir)
     fast_vision.enable_fast_path(model)  # as load_reranker does with model.fast_path (the default)
@@ -146,7 +149,7 @@ def cuda_benchmark(args) -> dict:
         rows.append({"repeat": repeat, "pairs": len(pairs), "seconds": seconds, "pairs_per_s": len(pairs) / seconds})
         print(f"repeat={repeat}: {len(pairs)} pairs in {seconds:.1f} s = {len(pairs) / seconds:.2f} pairs/s", flush=True)
     return {"mode": "cuda", "architecture": "tiny" if args.tiny_arch else "qwen2.5-vl-7b (random weights, bf16)",
-            "gpu": torch.cuda.get_device_name(0), "batch_size": args.batch_size, "rows": rows,
+            "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "none (CPU)", "batch_size": args.batch_size, "rows": rows,
             "peak_gib": common.peak_gib(device)}
 
 
