@@ -2,7 +2,7 @@
 
 An entry is keyed by sha256 of three parts, each recorded next to the scores in ``<key>.json``:
 
-- **model**: a hub id or ``builtin:tiny`` as written (plus a pinned ``adapter``), or for a local folder the
+- **model**: a hub id as written, ``builtin:tiny`` with its recipe hash (plus a pinned ``adapter``), or for a local folder the
   sha256 of its files (relative path + bytes), so a folder rewritten in place is a different model;
 - **processing**: the settings that change a score: ``max_length``, ``min_pixels``, ``max_pixels``,
   ``instructions``, ``dtype``, ``attn_implementation`` and the device type (bf16 on CUDA vs fp32 on CPU);
@@ -42,6 +42,10 @@ def folder_hash(path: Path | str) -> str:
 def model_identity(name_or_path: str, adapter: str | None = None) -> dict[str, str]:
     """``{"model": id or "folder sha256:<hex>", "adapter": ...}`` (a folder is identified by its content)."""
     def one(value: str) -> str:
+        if value == "builtin:tiny":  # built from a recipe: a changed recipe is another model
+            from lychee_pipeline.reranker.tiny import recipe_hash
+
+            return f"builtin:tiny recipe {recipe_hash()}"
         return f"folder sha256:{folder_hash(value)}" if Path(value).is_dir() else str(value)
 
     out = {"model": one(str(name_or_path))}

@@ -130,7 +130,7 @@ def test_base_scores_are_cached_and_recomputed_when_anything_changes(scoring_env
                            1, "cpu", TRAINING)
     assert f6["models"][BASE]["reused"] is True
     entry = json.loads((tmp_path / "cache" / f"{f1['models'][BASE]['cache_key']}.json").read_text())
-    assert entry["model"] == {"model": "builtin:tiny"} and entry["processing"]["max_pixels"] == 12544
+    assert entry["model"]["model"].startswith("builtin:tiny recipe ") and entry["processing"]["max_pixels"] == 12544
 
     report = add_scoring("# r\n", f2)
     assert "reused from the score cache" in report
