@@ -126,7 +126,11 @@ def cuda_benchmark(args) -> dict:
 
     import common
     import inference as inf
-    from lychee_pipeline.evaluation.score_shards import score_pairs_in_slices
+    try:
+        from lychee_pipeline.evaluation.score_shards import score_pairs_in_slices
+    except ImportError:  # a GPU image without the evaluation's metric libraries: the same slicing, inline
+        def score_pairs_in_slices(reranker, pairs, progress=None, slice_=1024):
+            return [s for i in range(0, len(pairs), slice_) for s in reranker.score_pairs(pairs[i : i + slice_])]
     from lychee_pipeline.reranker import fast_vision
     from lychee_pipeline.reranker.inference import Reranker
 
