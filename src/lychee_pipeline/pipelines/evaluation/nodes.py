@@ -299,7 +299,7 @@ def score_test_set(
 
 def _score_launched(plan, pair_sets, processes, device_type, training, work_dir, figures, values) -> None:
     """One `accelerate launch` of `processes` processes scoring every model of `plan` (see score_shards)."""
-    from lychee_pipeline.training.launch import check_device_count, run_stage
+    from lychee_pipeline.training.launch import StageFailed, check_device_count, run_stage
 
     check_device_count(processes, device_type)
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -315,8 +315,12 @@ def _score_launched(plan, pair_sets, processes, device_type, training, work_dir,
     launch["mixed_precision"] = "no"  # the model's own dtype decides; no autocast on top of it
     spec = {"stage": "scoring", "output_dir": str(work_dir.resolve()), "jobs": jobs, "training": {"launch": launch}}
     logger.info("scoring %s on %d %s processes", ", ".join(j["name"] for j in jobs), processes, device_type.upper())
-    result = run_stage(work_dir, spec, processes, device_type, None, {},
-                       module="lychee_pipeline.evaluation.score_shards")
+    try:
+        result = run_stage(work_dir, spec, processes, device_type, None, {},
+                           module="lychee_pipeline.evaluation.score_shards")
+    except StageFailed as exc:
+        raise StageFailed(f"test-set scoring on {processes} {device_type} processes failed "
+                          f"(work folder {work_dir}): {exc}") from exc
     for job, done in zip(jobs, result["jobs"], strict=True):
         values[job["name"]] = read_scores(done["scores_path"])
         figures[job["name"]].update({k: done[k] for k in ("seconds", "pairs_per_s", "processes", "device",
