@@ -101,6 +101,10 @@ def test_full_pipeline_runs_stages_1_then_2_processes(tmp_path):
     rows = scaling["scaling"]["rows"]
     assert [(r["stage"], r["devices"]) for r in rows] == [("stage_1cpu", 1), ("stage_2cpu_final", 2)]
     assert all(r["pairs_per_s"] > 0 for r in rows)
+    # the test-set scoring ran on the run's 2 processes too (one launch for every model)
+    scoring = json.loads((root / "data/08_reporting/evaluation_scoring.json").read_text())
+    assert {m["processes"] for m in scoring["models"].values()} == {2}
+    assert (root / "data/07_model_output/scoring/launch.log").is_file()
     # one cosine decay per stage: the final stage's learning rate ends at zero at its last step
     assert stages[1]["learning_rates"][-1] == [6, pytest.approx(0.0, abs=1e-15)]
     # no warm-up step (int(0.05 x 6) = 0): the first step already decays, once, over the stage's 6 steps

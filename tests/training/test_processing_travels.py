@@ -74,8 +74,9 @@ def test_evaluation_the_reranker_and_the_mlflow_model_score_with_the_trained_set
                                                                                        monkeypatch):
     tmp, result = trained_stage
     records = _test_records(tmp_path)
-    evaluation = {"seed": 0, "reranker": {"batch_size": 4, "device": "cpu"}}
-    table = score_test_set(records, [result], {"name_or_path": "builtin:tiny"}, evaluation)
+    evaluation = {"seed": 0, "reranker": {"batch_size": 4, "device": "cpu"}, "score_cache": {"enabled": False},
+                  "scoring": {"work_dir": str(tmp_path / "scoring")}}
+    table, _ = score_test_set(records, [result], {"name_or_path": "builtin:tiny"}, evaluation, 1, "cpu")
     stage = table[table["model"] != "base"]
     from_node = {(r.query_id, r.doc_id): r.score for r in stage.itertuples()}
 

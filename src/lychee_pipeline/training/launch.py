@@ -382,22 +382,26 @@ def run_stage(
     device_type: str,
     template: dict[str, Any] | None = None,
     tracking_env: dict[str, str] | None = None,
+    module: str = "lychee_pipeline.training.train",
 ) -> dict[str, Any]:
-    """Run one stage to completion and return its result.json, or raise StageFailed."""
+    """Run one stage to completion and return its result.json, or raise StageFailed.
+
+    `module` is the entry point each process runs with `--spec <file>` (the evaluation's sharded scoring
+    uses `lychee_pipeline.evaluation.score_shards`)."""
     launch = spec["training"]["launch"]
     stage_dir.mkdir(parents=True, exist_ok=True)
     check_stage_lock(stage_dir)
     lock = write_stage_lock(stage_dir)
     try:
         with sigterm_raises():
-            return _run_stage(stage_dir, spec, devices, device_type, template, tracking_env or {})
+            return _run_stage(stage_dir, spec, devices, device_type, template, tracking_env or {}, module)
     finally:
         lock.unlink(missing_ok=True)
 
 
 def _run_stage(
     stage_dir: Path, spec: dict[str, Any], devices: int, device_type: str, template: dict[str, Any] | None,
-    tracking_env: dict[str, str],
+    tracking_env: dict[str, str], module: str = "lychee_pipeline.training.train",
 ) -> dict[str, Any]:
     launch = spec["training"]["launch"]
     spec_path = stage_dir / "spec.json"
@@ -411,7 +415,7 @@ def _run_stage(
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path)]
     if config["num_processes"] > 1:
         command += ["--log_dir", str(rank_logs), "--tee", "3", "--monitor_interval", "1"]
-    command += ["-m", "lychee_pipeline.training.train", "--spec", str(spec_path)]
+    command += ["-m", module, "--spec", str(spec_path)]
     env = child_environment(device_type, launch, tracking_env)
     log_path = stage_dir / "launch.log"
     log.info("stage %s: %d %s process(es): %s", spec["stage"], config["num_processes"],

@@ -118,6 +118,7 @@ def test_pipeline_slice_in_memory():
     catalog = DataCatalog({
         "test_scores": MemoryDataset(hand_scores()),
         "stage_results": MemoryDataset(STAGES),
+        "evaluation_scoring": MemoryDataset({}),
         "params:evaluation": MemoryDataset(FAST_PARAMS),
     })
     outputs = SequentialRunner().run(pipe, catalog)
@@ -154,6 +155,7 @@ def project_catalog(tmp_path: Path) -> DataCatalog:
 def test_pipeline_slice_writes_the_reporting_files(tmp_path):
     catalog = project_catalog(tmp_path)
     catalog.save("test_scores", hand_scores())
+    catalog.save("evaluation_scoring", {})
     catalog["stage_results"] = MemoryDataset(STAGES)
     catalog["params:evaluation"] = MemoryDataset(FAST_PARAMS)
     SequentialRunner().run(create_pipeline().from_inputs("test_scores"), catalog)
@@ -190,7 +192,12 @@ def test_whole_pipeline_with_the_tiny_reranker(tmp_path):
     catalog["test_records"] = MemoryDataset(make_records(3), copy_mode="assign")
     catalog["stage_results"] = MemoryDataset([stage])
     catalog["params:model"] = MemoryDataset({"name_or_path": "builtin:tiny"})
-    catalog["params:evaluation"] = MemoryDataset({**FAST_PARAMS, "reranker": {"batch_size": 4, "device": "cpu"}})
+    catalog["params:evaluation"] = MemoryDataset({
+        **FAST_PARAMS, "reranker": {"batch_size": 4, "device": "cpu"},
+        "scoring": {"work_dir": str(tmp_path / "scoring")}, "score_cache": {"dir": str(tmp_path / "cache")}})
+    catalog["params:gpus"] = MemoryDataset(1)
+    catalog["params:device"] = MemoryDataset("cpu")
+    catalog["params:training"] = MemoryDataset({"max_length": 3200, "min_pixels": 3136, "max_pixels": 1003520})
     catalog["evaluation_plots"] = MemoryDataset(copy_mode="assign")  # PNG files: tested in the slice test
     outputs = SequentialRunner().run(create_pipeline(), catalog)
     assert "evaluation_plots" in outputs
@@ -204,3 +211,6 @@ def test_whole_pipeline_with_the_tiny_reranker(tmp_path):
     metrics = json.loads((tmp_path / "data/08_reporting/evaluation_metrics.json").read_text())
     assert metrics["ranking"]["models"]["base"]["overall"]["n_queries"] == 3
     assert metrics["scaling"]["rows"][0]["mrr_at_10"] == metrics["ranking"]["models"]["stage_1gpu"]["overall"]["mrr_at_10"]
+    scoring = json.loads((tmp_path / "data/08_reporting/evaluation_scoring.json").read_text())
+    assert scoring["models"]["base"]["pairs"] == 9 and scoring["models"]["base"]["reused"] is False
+    assert metrics["scoring"]["models"]["stage_1gpu"]["pairs_per_s"] > 0

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 import pandas as pd
 
 from lychee_pipeline.evaluation import (
@@ -23,6 +24,16 @@ from lychee_pipeline.evaluation import (
     scaling_report,
 )
 from lychee_pipeline.evaluation.metrics import query_rng
+from lychee_pipeline.evaluation.score_cache import (
+    ScoreCache,
+    cache_key,
+    model_identity,
+    pairs_hash,
+    processing_settings,
+)
+from lychee_pipeline.evaluation.scoring_report import add_scoring, scoring_mlflow_metrics
+from lychee_pipeline.evaluation.score_shards import read_scores, score_pairs_in_slices, write_pairs
+from lychee_pipeline.reranker.prompt import instruction_for
 
 logger = logging.getLogger(__name__)
 
@@ -127,21 +138,11 @@ def _load_reranker(name_or_path: str, adapter: str | None, options: Mapping[str,
     return Reranker.from_pretrained(name_or_path, **dict(options))
 
 
-def score_candidates(queries: Sequence[Mapping[str, Any]], model: str, reranker: Any) -> pd.DataFrame:
-    """Scores of one model on every query's candidates, as rows of the long scores table.
-
-    All (query, candidate) pairs go to ``reranker.score_pairs`` at once, so the reranker can sort them
-    by length and batch them across queries. Each pair's instruction follows its query's task type, as in
-    training (where a record's task type sets every document's instruction).
-    """
-    pairs = [(q["query"], c["item"]) for q in queries for c in q["candidates"]]
-    task_types = [q["task_type"] for q in queries for _ in q["candidates"]]
-    step = 1024  # large slices keep the reranker's length sorting useful and the progress bar moving
-    values: list[float] = []
-    for start in tqdm(range(0, len(pairs), step), desc=f"scoring with {model}", unit="slice", disable=None):
-        values.extend(reranker.score_pairs(pairs[start : start + step], task_types[start : start + step]))
-    if len(values) != len(pairs):
-        raise RuntimeError(f"{model}: {len(values)} scores for {len(pairs)} pairs")
+def score_rows(queries: Sequence[Mapping[str, Any]], model: str, values: Sequence[float]) -> pd.DataFrame:
+    """The long scores table of one model from its scores in pair order (query by query, candidate by candidate)."""
+    n_pairs = sum(len(q["candidates"]) for q in queries)
+    if len(values) != n_pairs:
+        raise RuntimeError(f"{model}: {len(values)} scores for {n_pairs} pairs")
     rows, it = [], iter(values)
     for q in queries:
         for position, cand in enumerate(q["candidates"]):
@@ -151,6 +152,54 @@ def score_candidates(queries: Sequence[Mapping[str, Any]], model: str, reranker:
                 "language": q["language"], **{f: cand[f] for f in META_FIELDS},
             })
     return pd.DataFrame(rows, columns=SCORE_COLUMNS)
+
+
+def query_pairs(queries: Sequence[Mapping[str, Any]],
+                instructions: Mapping[str, str] | None = None) -> list[tuple[dict, dict, str | None]]:
+    """Every (query item, candidate item, instruction) triple, query by query.
+
+    The instruction follows the query's task type, as in training, where a record's task type sets the
+    instruction of every document of its group; None (no task type) lets the reranker derive it per pair.
+    """
+    return [(q["query"], c["item"], instruction_for(q["task_type"], instructions) if q.get("task_type") else None)
+            for q in queries for c in q["candidates"]]
+
+
+def score_candidates(queries: Sequence[Mapping[str, Any]], model: str, reranker: Any) -> pd.DataFrame:
+    """Scores of one model on every query's candidates, as rows of the long scores table.
+
+    All (query, candidate) pairs go to ``reranker.score_pairs`` in large slices, so the reranker can sort
+    them by length and batch them across queries; each pair carries its query's instruction (query_pairs).
+    """
+    pairs = query_pairs(queries, reranker.processing.instructions)
+    return score_rows(queries, model, score_pairs_in_slices(reranker, pairs, f"scoring with {model}"))
+
+
+def sample_queries(queries: Sequence[Mapping[str, Any]], k: int | None, seed: int) -> list[Mapping[str, Any]]:
+    """A fixed seeded sample of ``k`` queries, in their original order (all of them when k is None or >= n)."""
+    if not k or k >= len(queries):
+        return list(queries)
+    chosen = np.sort(np.random.default_rng([seed, 0x5A3D]).choice(len(queries), size=int(k), replace=False))
+    return [queries[int(i)] for i in chosen]
+
+
+def stage_processing(adapter: str | None, training: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The processing settings a model was trained with: those saved with its adapter (the stage's last pixel
+    budget included), else its stage's spec.json, else the training parameters."""
+    from lychee_pipeline.reranker.model import processing_of
+
+    trained = processing_of(adapter) if adapter else None
+    if trained is not None:
+        return {k: v for k, v in trained.as_dict().items() if k != "instructions" and v is not None}
+    source: Mapping[str, Any] = training or {}
+    if adapter:
+        spec_path = Path(adapter).parent / "spec.json"
+        if spec_path.is_file():
+            try:
+                source = json.loads(spec_path.read_text()).get("training") or source
+            except ValueError:
+                pass
+    return {k: source[k] for k in ("max_length", "min_pixels", "max_pixels") if source.get(k) is not None}
 
 
 def models_to_score(stage_results: Iterable[Mapping[str, Any]] | None, model: Mapping[str, Any]) -> list[tuple[str, str, str | None]]:
@@ -173,26 +222,129 @@ def score_test_set(
     stage_results: Sequence[Mapping[str, Any]] | None,
     model: Mapping[str, Any],
     evaluation: Mapping[str, Any],
-) -> pd.DataFrame:
+    gpus: int = 1,
+    device: str = "auto",
+    training: Mapping[str, Any] | None = None,
+) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Score every test query's shuffled candidates with the base model and each stage's adapter.
 
-    Returns the long scores table (columns :data:`SCORE_COLUMNS`), ``model`` being ``"base"`` or the
-    stage name.
+    - Each model is scored with its processing settings (``max_length``, ``min/max_pixels`` of its stage's
+      spec, else ``training``), overridden by ``evaluation.reranker``.
+    - A check stage (a result with ``final: false``) is scored on a fixed seeded sample of
+      ``evaluation.check_stage_queries`` test queries; the base model and the final stage on all of them.
+    - The base model's scores are reused from the score cache (``evaluation.score_cache``) when the model,
+      the processing settings and the scored pairs are unchanged.
+    - With ``evaluation.scoring.processes`` (default ``gpus``) above 1, the models left to score run in one
+      ``accelerate launch`` of that many processes (GPUs, or CPU processes without CUDA), each scoring a
+      shard (:mod:`lychee_pipeline.evaluation.score_shards`); otherwise in this process.
+
+    Returns the long scores table (columns :data:`SCORE_COLUMNS`, ``model`` being ``"base"`` or the stage
+    name) and the scoring figures ``{"models": {name: {...}}, "processes", "device_type"}``.
     """
+    from lychee_pipeline.training.launch import resolve_device
+
     seed = int(evaluation.get("seed", 0))
     queries = candidate_table(test_records, seed)
     if evaluation.get("max_queries"):  # a deterministic slice (the smoke run's "small test slice")
         queries = queries[: int(evaluation["max_queries"])]
-    options = dict(evaluation.get("reranker") or {})
+    check_k = evaluation.get("check_stage_queries")
+    sample = sample_queries(queries, int(check_k) if check_k else None, seed)
+    scoring = dict(evaluation.get("scoring") or {})
+    processes = int(scoring.get("processes") or gpus or 1)
+    reranker_options = dict(evaluation.get("reranker") or {})
     if evaluation.get("instructions"):
-        options["instructions"] = evaluation["instructions"]
-    tables = []
-    for name, name_or_path, adapter in models_to_score(stage_results, model):
-        logger.info("scoring %d test queries with %s (%s, adapter %s)", len(queries), name, name_or_path, adapter)
-        reranker = _load_reranker(name_or_path, adapter, options)
-        tables.append(score_candidates(queries, name, reranker))
-        del reranker
-    return pd.concat(tables, ignore_index=True)
+        reranker_options["instructions"] = evaluation["instructions"]
+    device_type = resolve_device(str(reranker_options.get("device") or device or "auto"))
+    cache_cfg = dict(evaluation.get("score_cache") or {})
+    cache = ScoreCache(cache_cfg.get("dir", "data/07_model_output/score_cache")) if cache_cfg.get("enabled", True) else None
+    work_dir = Path(scoring.get("work_dir", "data/07_model_output/scoring"))
+
+    models = models_to_score(stage_results, model)
+    finals = [True] + [bool(s.get("final", True)) for s in (stage_results or [])]
+    final_processing = stage_processing(models[-1][2] if len(models) > 1 else None, training)
+    instructions = evaluation.get("instructions")
+    pair_sets = {"all": query_pairs(queries, instructions),
+                 "sample": query_pairs(sample, instructions) if len(sample) < len(queries) else None}
+    plan, figures, values = [], {}, {}
+    for (name, name_or_path, adapter), final in zip(models, finals):
+        which = "all" if final or pair_sets["sample"] is None else "sample"
+        own = stage_processing(adapter, training) if adapter and name != BASE else final_processing
+        options = {**own, **{k: v for k, v in reranker_options.items()}}
+        chosen = queries if which == "all" else sample
+        figures[name] = {"queries": len(chosen), "test_queries": len(queries), "sampled": which == "sample",
+                         "pairs": len(pair_sets[which]), "reused": False, "cache_key": None}
+        if name == BASE and cache is not None:
+            key, parts = cache_key(model_identity(name_or_path, adapter), processing_settings(options, device_type),
+                                   pairs_hash(pair_sets[which]))
+            figures[name]["cache_key"] = key
+            found = cache.lookup(key, len(pair_sets[which]))
+            if found is not None:
+                logger.info("base model: reusing cached scores %s (same model, processing settings and test pairs)",
+                            cache.paths(key)[0])
+                values[name] = found
+                figures[name].update(reused=True, seconds=0.0, pairs_per_s=None, processes=0)
+                continue
+            figures[name]["_cache"] = (key, parts)
+        plan.append((name, name_or_path, adapter, options, which))
+
+    if plan and processes > 1:
+        _score_launched(plan, pair_sets, processes, device_type, training, work_dir, figures, values)
+    else:
+        for name, name_or_path, adapter, options, which in plan:
+            started = time.perf_counter()
+            logger.info("scoring %d pairs with %s (%s, adapter %s) in this process", len(pair_sets[which]), name,
+                        name_or_path, adapter)
+            reranker = _load_reranker(name_or_path, adapter, options)
+            loaded = time.perf_counter()
+            values[name] = score_pairs_in_slices(reranker, pair_sets[which], f"scoring with {name}")
+            del reranker
+            done = time.perf_counter()
+            figures[name].update(seconds=done - started, processes=1, device=device_type,
+                                 pairs_per_s=len(pair_sets[which]) / (done - loaded) if done > loaded else None)
+    for name, entry in figures.items():
+        if "_cache" in entry:
+            key, parts = entry.pop("_cache")
+            cache.store(key, parts, values[name], {k: entry.get(k) for k in ("seconds", "pairs_per_s", "processes")})
+    tables = [score_rows(queries if not figures[name]["sampled"] else sample, name, values[name])
+              for name, _, _ in models]
+    return pd.concat(tables, ignore_index=True), _jsonable({
+        "models": figures, "processes": processes, "device_type": device_type,
+        "check_stage_queries": len(sample), "seed": seed,
+    })
+
+
+def _score_launched(plan, pair_sets, processes, device_type, training, work_dir, figures, values) -> None:
+    """One `accelerate launch` of `processes` processes scoring every model of `plan` (see score_shards)."""
+    from lychee_pipeline.training.launch import StageFailed, check_device_count, run_stage
+
+    check_device_count(processes, device_type)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    paths = {which: write_pairs(pairs, work_dir / f"pairs_{which}.parquet")
+             for which, pairs in pair_sets.items() if pairs is not None and any(p[4] == which for p in plan)}
+    jobs = [{"name": name, "name_or_path": name_or_path, "adapter": adapter,
+             "options": {k: v for k, v in options.items() if k != "device"},
+             "pairs_path": str(paths[which].resolve()), "scores_path": str((work_dir / f"scores_{_safe(name)}.parquet").resolve())}
+            for name, name_or_path, adapter, options, which in plan]
+    launch = dict((training or {}).get("launch") or {})
+    launch = {"strategy": "ddp", "mixed_precision": "no", "num_machines": 1, "machine_rank": 0, "main_process_ip": None,
+              "main_process_port": None, "timeout_s": 21600, "threads_per_process": 1, **launch}
+    launch["mixed_precision"] = "no"  # the model's own dtype decides; no autocast on top of it
+    spec = {"stage": "scoring", "output_dir": str(work_dir.resolve()), "jobs": jobs, "training": {"launch": launch}}
+    logger.info("scoring %s on %d %s processes", ", ".join(j["name"] for j in jobs), processes, device_type.upper())
+    try:
+        result = run_stage(work_dir, spec, processes, device_type, None, {},
+                           module="lychee_pipeline.evaluation.score_shards")
+    except StageFailed as exc:
+        raise StageFailed(f"test-set scoring on {processes} {device_type} processes failed "
+                          f"(work folder {work_dir}): {exc}") from exc
+    for job, done in zip(jobs, result["jobs"], strict=True):
+        values[job["name"]] = read_scores(done["scores_path"])
+        figures[job["name"]].update({k: done[k] for k in ("seconds", "pairs_per_s", "processes", "device",
+                                                          "load_seconds", "scoring_seconds")})
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
 
 def _model_tables(scores: pd.DataFrame) -> dict[str, pd.DataFrame]:
@@ -262,12 +414,21 @@ def build_report(
     business_metrics: Mapping[str, Any],
     scaling: Mapping[str, Any],
     stage_results: Sequence[Mapping[str, Any]] | None,
+    scoring: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], str, dict[str, Any], dict[str, float]]:
-    """The metrics document, the Markdown report, the plots ``{file name: Figure}`` and MLflow metrics."""
+    """The metrics document, the Markdown report, the plots ``{file name: Figure}`` and MLflow metrics.
+
+    ``scoring`` (from :func:`score_test_set`) adds the time and pairs/s per model, which scores were sampled
+    (check stages) and which were reused from the score cache, to the document, the report and MLflow.
+    """
     losses = {stage_name(s, i): s.get("losses") or [] for i, s in enumerate(stage_results or [])}
     learning_rates = {stage_name(s, i): s.get("learning_rates") or [] for i, s in enumerate(stage_results or [])}
     document = _jsonable(build_metrics_document(ranking_metrics, business_metrics, scaling, losses))
-    return document, render_markdown(document), build_plots(document, losses, learning_rates), mlflow_metrics(document)
+    if scoring:
+        document["scoring"] = _jsonable(scoring)
+    report = add_scoring(render_markdown(document), scoring)
+    metrics = {**mlflow_metrics(document), **scoring_mlflow_metrics(scoring)}
+    return document, report, build_plots(document, losses, learning_rates), metrics
 
 
 def _jsonable(value: Any) -> Any:

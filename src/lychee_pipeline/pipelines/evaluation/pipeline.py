@@ -2,8 +2,10 @@
 
 Inputs: ``test_records`` (model-input table of the test split), ``stage_results`` (list of stage
 result dicts, each with ``adapter_dir`` and ``losses``), ``params:model`` (``name_or_path``) and
-``params:evaluation``.
-Outputs: ``test_scores`` (07), ``ranking_metrics``, ``business_metrics``, ``scaling_report``,
+``params:evaluation``, and ``params:gpus`` / ``params:device`` / ``params:training`` (how many processes
+score, on which device, with which launch settings and processing defaults).
+Outputs: ``test_scores`` (07), ``evaluation_scoring`` (per model: pairs, processes, time, pairs/s, whether
+the scores were sampled or reused from the score cache), ``ranking_metrics``, ``business_metrics``, ``scaling_report``,
 ``evaluation_metrics``, ``evaluation_report``, ``evaluation_plots`` (08) and
 ``evaluation_mlflow_metrics`` (flat ``{name: float}``).
 """
@@ -26,8 +28,9 @@ def create_pipeline(**kwargs) -> Pipeline:
         [
             node(
                 score_test_set,
-                inputs=["test_records", "stage_results", "params:model", "params:evaluation"],
-                outputs="test_scores",
+                inputs=["test_records", "stage_results", "params:model", "params:evaluation", "params:gpus",
+                        "params:device", "params:training"],
+                outputs=["test_scores", "evaluation_scoring"],
                 name="score_test_set",
                 tags=["evaluation", "scoring"],
             ),
@@ -54,7 +57,7 @@ def create_pipeline(**kwargs) -> Pipeline:
             ),
             node(
                 build_report,
-                inputs=["ranking_metrics", "business_metrics", "scaling_report", "stage_results"],
+                inputs=["ranking_metrics", "business_metrics", "scaling_report", "stage_results", "evaluation_scoring"],
                 outputs=["evaluation_metrics", "evaluation_report", "evaluation_plots", "evaluation_mlflow_metrics"],
                 name="build_evaluation_report",
                 tags=["evaluation", "report"],
