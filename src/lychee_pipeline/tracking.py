@@ -97,8 +97,13 @@ def flatten(params: dict[str, Any], prefix: str = "", sep: str = ".") -> dict[st
     return flat
 
 
-def log_reranker_model(adapter_dir: str, base: str, artifact_name: str = "reranker") -> str | None:
-    """Log the fine-tuned reranker to the active MLflow run as a pyfunc model; returns its URI."""
+def log_reranker_model(
+    adapter_dir: str, base: str, artifact_name: str = "reranker", serving: dict[str, Any] | None = None
+) -> str | None:
+    """Log the fine-tuned reranker to the active MLflow run as a pyfunc model; returns its URI.
+
+    ``serving`` adds serving settings to the model's ``reranker.json`` (scoring options, instructions,
+    image roots: see ``mlflow_model.py``)."""
     import json
     import tempfile
     from pathlib import Path
@@ -111,7 +116,7 @@ def log_reranker_model(adapter_dir: str, base: str, artifact_name: str = "rerank
         return None
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "reranker.json"
-        config.write_text(json.dumps({"base": base}))
+        config.write_text(json.dumps({**(serving or {}), "base": base}))
         example = pd.DataFrame(
             [{"query_text": "red dress", "query_image": "", "doc_text": "a red cotton dress", "doc_image": ""}]
         )
