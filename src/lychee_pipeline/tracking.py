@@ -97,6 +97,23 @@ def flatten(params: dict[str, Any], prefix: str = "", sep: str = ".") -> dict[st
     return flat
 
 
+#: Distributions the logged model imports (pinned to the installed versions). The project itself is not on
+#: PyPI: serve with `--env-manager local` from its environment (docs/serving.md).
+MODEL_REQUIREMENTS = ("mlflow", "torch", "transformers", "peft", "safetensors", "pillow", "pandas", "numpy")
+
+
+def model_requirements() -> list[str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for name in MODEL_REQUIREMENTS:
+        try:
+            out.append(f"{name}=={version(name)}")
+        except PackageNotFoundError:
+            out.append(name)
+    return out
+
+
 def log_reranker_model(
     adapter_dir: str, base: str, artifact_name: str = "reranker", serving: dict[str, Any] | None = None
 ) -> str | None:
@@ -125,5 +142,7 @@ def log_reranker_model(
             python_model=str(Path(__file__).with_name("mlflow_model.py")),
             artifacts={"adapter": adapter_dir, "config": str(config)},
             signature=infer_signature(example, [0.5]),
+            # Listed, not inferred: inference loads the model in a subprocess (about 30 s on a small CPU).
+            pip_requirements=model_requirements(),
         )
     return info.model_uri
