@@ -84,7 +84,7 @@ def score_pairs(model_dir: str, queries: list[dict[str, Any]]) -> list[float]:
 
 
 def register_run(records: list[dict[str, Any]], new_model: str, base_model: str, image_root: Path,
-                 stage: str = "stage_1cpu_final") -> tuple[dict[str, Any], Any]:
+                 stage: str = "stage_1cpu_final", name: str = "lychee-reranker") -> tuple[dict[str, Any], Any]:
     """One `full` run's tail, for real: the evaluation scores base and new model on `records`, the new model is
     logged to a new MLflow run (with the serving config of the reporting step), then the registry node runs.
     Returns (outcome, test_scores). Uses the global MLflow tracking URI."""
@@ -104,7 +104,7 @@ def register_run(records: list[dict[str, Any]], new_model: str, base_model: str,
             {"name_or_path": base_model, "finetune": "full"},
             {"lines_in": 30, "clean": 24, "test_size": len(records)},
             {"test.mrr_at_10.base": 0.5, "test.mrr_at_10.finetuned": 0.9},
-            EVALUATION, TRAINING, DATA_PROCESSING, REGISTRY,
+            EVALUATION, TRAINING, DATA_PROCESSING, {**REGISTRY, "model_name": name},
         )
     assert outcome["status"] == "registered", outcome
     assert f"version {outcome['version']}" in report

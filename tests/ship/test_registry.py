@@ -11,6 +11,9 @@ from lychee_pipeline.registry import decide, version_tags
 from ship_support import candidate_queries, make_test_records, mlflow_store, register_run, score_pairs
 
 
+NAME = "gate-test-reranker"
+
+
 def _row(diff, p, n=24):
     return {"mrr_at_10": {"base": 0.5, "finetuned": 0.5 + (diff or 0), "diff": diff, "p_value": p, "n_queries": n}}
 
@@ -37,40 +40,38 @@ def test_version_tags_hold_metrics_counts_and_processing():
                     "processing.training.max_pixels": "12544", "processing.split.seed": "42", "run_id": "r"}
 
 
-def test_champion_gate_first_version_then_refused_then_replaced(tmp_path, ship_models, ship_images):
+def test_champion_gate_first_version_then_refused_then_replaced(champion_project, ship_models, ship_images):
     """v1 (model a) beats the base model -> champion; v2 (model b) does not beat champion v1 on a split a wins ->
-    registered with the reason, champion stays; v3 (model b) beats champion v1 on a split b wins -> champion."""
-    from project_runs import make_project_copy
-
-    root = make_project_copy(tmp_path / "project")
+    registered with the reason, champion stays; v3 (model b) beats champion v1 on a split b wins -> champion.
+    (A model name of its own, in the store of the champion project: one sqlite store to create, not two.)"""
     queries = candidate_queries(ship_images)
-    a_wins = make_test_records(queries, score_pairs(ship_models["a"], queries))
+    a_wins = champion_project["records"]  # the split model a wins (its first choices are the positives)
     b_wins = make_test_records(queries, score_pairs(ship_models["b"], queries))
     assert a_wins != b_wins  # the two models disagree on some queries' best document
-    with mlflow_store(root):
+    with mlflow_store(champion_project["root"]):
         client = mlflow.MlflowClient()
-        first, _ = register_run(a_wins, ship_models["a"], ship_models["base"], ship_images)
+        first, _ = register_run(a_wins, ship_models["a"], ship_models["base"], ship_images, name=NAME)
         assert first["version"] == 1 and first["promoted"], first["reason"]
         assert first["reference"] == "base model"
-        assert str(client.get_model_version_by_alias("lychee-reranker", "champion").version) == "1"
+        assert str(client.get_model_version_by_alias(NAME, "champion").version) == "1"
 
-        second, _ = register_run(a_wins, ship_models["b"], ship_models["base"], ship_images)
+        second, _ = register_run(a_wins, ship_models["b"], ship_models["base"], ship_images, name=NAME)
         assert second["version"] == 2 and not second["promoted"]
         assert second["reference"] == "current champion (version 1)"
-        assert str(client.get_model_version_by_alias("lychee-reranker", "champion").version) == "1"
-        v2 = client.get_model_version("lychee-reranker", "2")
+        assert str(client.get_model_version_by_alias(NAME, "champion").version) == "1"
+        v2 = client.get_model_version(NAME, "2")
         assert v2.tags["gate.decision"] == "not promoted"
         assert v2.tags["gate.reason"].startswith("not promoted: does not beat the current champion (version 1)")
         # the champion was scored in this run on the same split: it wins its own split outright
         assert float(v2.tags["gate.reference_value"]) == pytest.approx(1.0)
         assert float(v2.tags["gate.diff"]) < 0
 
-        third, _ = register_run(b_wins, ship_models["b"], ship_models["base"], ship_images)
+        third, _ = register_run(b_wins, ship_models["b"], ship_models["base"], ship_images, name=NAME)
         assert third["version"] == 3 and third["promoted"], third["reason"]
         assert third["previous_champion_version"] == 1
-        assert str(client.get_model_version_by_alias("lychee-reranker", "champion").version) == "3"
-        assert client.get_model_version("lychee-reranker", "1").tags["replaced_by"] == "3"
-        v3 = client.get_model_version("lychee-reranker", "3")
+        assert str(client.get_model_version_by_alias(NAME, "champion").version) == "3"
+        assert client.get_model_version(NAME, "1").tags["replaced_by"] == "3"
+        v3 = client.get_model_version(NAME, "3")
         assert float(v3.tags["gate.value"]) == pytest.approx(1.0) and float(v3.tags["gate.p_value"]) < 0.05
         # what the run had: metrics, data counts, processing settings, the run that logged it
         assert v3.tags["metric.test.mrr_at_10.finetuned"] == "0.9"
