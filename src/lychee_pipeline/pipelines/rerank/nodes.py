@@ -93,6 +93,10 @@ def _parse_line(number: int, raw: bytes, resolver: Resolver, checked: dict, max_
     try:
         parsed = CandidateLine.model_validate_json(text)
     except ValidationError as error:
+        unknown = [e for e in error.errors(include_url=False) if e["type"] == "extra_forbidden"]
+        if unknown:  # a misnamed key is the likelier story than the missing one it causes
+            loc = ".".join(str(p) for p in unknown[0]["loc"])
+            return _refused(number, text, f"unknown field '{loc}' (a line has: id, query, docs)")
         return _refused(number, text, reason_of(error))
     query_id = norm_text(parsed.id) or f"line-{number}"
     if isinstance(parsed.query, str):
