@@ -42,7 +42,8 @@ class CandidateLine(BaseModel):
 def _roots(rerank: dict[str, Any], input_path: Path) -> list[str]:
     from lychee_pipeline.pipelines.data_ingestion.nodes import image_roots_of
 
-    return image_roots_of(rerank.get("image_roots")) or [str(input_path.resolve().parent)]
+    roots = image_roots_of(rerank.get("image_roots")) or [str(input_path.parent)]
+    return [str(Path(r).expanduser().resolve()) for r in roots]
 
 
 def _image(ref: str, resolver: Resolver, checked: dict[str, str | None], max_pixels: int) -> tuple[str | None, str | None]:
