@@ -15,7 +15,7 @@ def create_pipeline(registry: bool = False, **kwargs) -> Pipeline:
     return Pipeline(
         [
             Node(serving_config, ["raw_source", "params:evaluation", "params:serving"], "serving_config",
-                 name="serving_config", tags=["reporting"]),
+                 name="build_serving_config", tags=["reporting"]),
             Node(log_run_to_mlflow,
                  ["evaluation_mlflow_metrics", "data_counts", "stage_results", "params:model", "serving_config"],
                  "mlflow_logging", name="log_run_to_mlflow", tags=["reporting"]),

@@ -221,5 +221,6 @@ def score_and_rank(candidates: dict[str, Any], rerank: dict[str, Any]) -> tuple[
 
 
 def _reason_kind(reason: str) -> str:
-    """The reason without the path or detail after its first ':' (for counting)."""
-    return str(reason).split(":")[0]
+    """The reason without the path or detail after its first ': ' (for counting); `query image: <kind>` kept."""
+    parts = str(reason).split(": ")
+    return ": ".join(parts[:2]) if parts[0] == "query image" and len(parts) > 2 else parts[0]
