@@ -162,16 +162,23 @@ def register_and_gate(
     client = mlflow.MlflowClient()
     gate = {**DEFAULT_GATE, **dict(gate or {})}
     champion = current_champion(client, name, alias)
+    reference_scores, failure = base_scores, None
     if champion is not None:
         reference = f"current {alias} (version {champion.version})"
-        reference_scores = score_reference(f"models:/{name}/{champion.version}")
+        try:
+            reference_scores = score_reference(f"models:/{name}/{champion.version}")
+        except Exception as exc:  # noqa: BLE001 - the new version is still registered, with the reason
+            failure = f"not promoted: the {reference} could not be scored: {type(exc).__name__}: {exc}"
+            log.error("registry: %s", failure)
     else:
         reference = "base model"
-        reference_scores = base_scores
-    comparison = compare(reference_scores, new_scores, seed=seed, n_resamples=n_resamples,
-                         confidence_level=confidence_level)
-    promote, reason = decide(comparison, gate, reference)
-    row = comparison[str(gate["metric"])]
+    if failure is None:
+        comparison = compare(reference_scores, new_scores, seed=seed, n_resamples=n_resamples,
+                             confidence_level=confidence_level)
+        promote, reason = decide(comparison, gate, reference)
+    else:
+        comparison, promote, reason = {}, False, failure
+    row = comparison.get(str(gate["metric"]), {})
     gate_tags = {
         "gate.decision": alias if promote else "not promoted",
         "gate.reason": reason,

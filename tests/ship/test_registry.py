@@ -4,6 +4,9 @@ one model ranks first, so that model wins it and the others do not."""
 
 from __future__ import annotations
 
+import shutil
+from urllib.parse import urlparse
+
 import mlflow
 import pytest
 
@@ -42,7 +45,8 @@ def test_version_tags_hold_metrics_counts_and_processing():
 
 def test_champion_gate_first_version_then_refused_then_replaced(champion_project, ship_models, ship_images):
     """v1 (model a) beats the base model -> champion; v2 (model b) does not beat champion v1 on a split a wins ->
-    registered with the reason, champion stays; v3 (model b) beats champion v1 on a split b wins -> champion.
+    registered with the reason, champion stays; v3 (model b) beats champion v1 on a split b wins -> champion;
+    v4 while champion v3 cannot be loaded -> registered with that reason, champion stays.
     (A model name of its own, in the store of the champion project: one sqlite store to create, not two.)"""
     queries = candidate_queries(ship_images)
     a_wins = champion_project["records"]  # the split model a wins (its first choices are the positives)
@@ -82,3 +86,11 @@ def test_champion_gate_first_version_then_refused_then_replaced(champion_project
         assert v3.run_id and v3.tags["run_id"] == v3.run_id
         run = client.get_run(v3.run_id)
         assert run.data.tags["registry.version"] == "3" and run.data.tags["registry.promoted"] == "True"
+
+        # the champion's files are gone: the next version is still registered, says why, and the alias stays
+        shutil.rmtree(urlparse(client.get_model_version_download_uri(NAME, "3")).path)
+        fourth, _ = register_run(b_wins, ship_models["a"], ship_models["base"], ship_images, name=NAME)
+        assert fourth["version"] == 4 and not fourth["promoted"]
+        assert fourth["reason"].startswith("not promoted: the current champion (version 3) could not be scored")
+        assert client.get_model_version(NAME, "4").tags["gate.reason"] == fourth["reason"]
+        assert str(client.get_model_version_by_alias(NAME, "champion").version) == "3"
