@@ -112,6 +112,23 @@ def test_full_pipeline_runs_stages_1_then_2_processes(tmp_path):
     _, parents, children = _runs(root)
     assert len(parents) == 1 and {c.data.tags["stage"] for c in children} == {"stage_1cpu", "stage_2cpu_final"}
 
+    # the registry step of full: version 1 of lychee-reranker, the run's figures as tags, and the gate's decision
+    # (against the base model: there is no champion yet) in the version's tags, the report and the run summary
+    client = _client(root)
+    outcome = json.loads((root / "data/08_reporting/registry_outcome.json").read_text())
+    assert (outcome["status"], outcome["version"], outcome["reference"]) == ("registered", 1, "base model")
+    version = client.get_model_version("lychee-reranker", "1")
+    assert version.run_id == parents[0].info.run_id and version.tags["stage"] == "stage_2cpu_final"
+    metrics = json.loads((root / "data/08_reporting/evaluation_mlflow_metrics.json").read_text())
+    assert float(version.tags["metric.test.mrr_at_10.finetuned"]) == pytest.approx(metrics["test.mrr_at_10.finetuned"])
+    assert version.tags["data.lines_in"] == "2400" and version.tags["processing.training.max_pixels"] == "12544"
+    assert version.tags["gate.reason"] == outcome["reason"] and outcome["reason"].startswith(
+        "promoted: beats the base model" if outcome["promoted"] else "not promoted: does not beat the base model")
+    assert ("champion" in version.aliases) == outcome["promoted"]
+    summary = json.loads((root / "data/08_reporting/run_summary.json").read_text())
+    assert summary["registry"]["version"] == 1 and summary["registry"]["promoted"] == outcome["promoted"]
+    assert outcome["reason"] in (root / "data/08_reporting/registry_report.md").read_text()
+
 
 def test_cli_refuses_more_gpus_than_visible(tmp_path):
     root = make_project_copy(tmp_path)

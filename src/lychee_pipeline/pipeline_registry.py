@@ -1,4 +1,4 @@
-"""Project pipelines: the pieces and the composite `smoke` and `full` pipelines."""
+"""Project pipelines: the pieces, the composite `smoke` and `full` pipelines, and batch `rerank`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from lychee_pipeline.pipelines import (
     demo_data,
     evaluation,
     image_normalization,
+    registry,
+    rerank,
     reporting,
     training,
 )
@@ -20,7 +22,9 @@ def register_pipelines() -> dict[str, Pipeline]:
     data = data_ingestion.create_pipeline() + image_normalization.create_pipeline() + data_split.create_pipeline()
     tail = evaluation.create_pipeline() + reporting.create_pipeline()
     smoke = data + training.create_smoke_pipeline() + tail
-    full = data + training.create_pipeline() + tail
+    # full: the final model is registered and gated for the champion alias after evaluation and MLflow logging
+    full = (data + training.create_pipeline() + evaluation.create_pipeline() + reporting.create_pipeline(registry=True)
+            + registry.create_pipeline())
     return {
         "__default__": smoke,
         "smoke": smoke,
@@ -29,4 +33,5 @@ def register_pipelines() -> dict[str, Pipeline]:
         "data": data,
         "training": training.create_pipeline(),
         "evaluation": evaluation.create_pipeline(),
+        "rerank": rerank.create_pipeline(),
     }

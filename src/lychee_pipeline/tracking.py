@@ -97,8 +97,30 @@ def flatten(params: dict[str, Any], prefix: str = "", sep: str = ".") -> dict[st
     return flat
 
 
-def log_reranker_model(adapter_dir: str, base: str, artifact_name: str = "reranker") -> str | None:
-    """Log the fine-tuned reranker to the active MLflow run as a pyfunc model; returns its URI."""
+#: Distributions the logged model imports (pinned to the installed versions). The project itself is not on
+#: PyPI: serve with `--env-manager local` from its environment (docs/serving.md).
+MODEL_REQUIREMENTS = ("mlflow", "torch", "transformers", "peft", "safetensors", "pillow", "pandas", "numpy")
+
+
+def model_requirements() -> list[str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for name in MODEL_REQUIREMENTS:
+        try:
+            out.append(f"{name}=={version(name)}")
+        except PackageNotFoundError:
+            out.append(name)
+    return out
+
+
+def log_reranker_model(
+    adapter_dir: str, base: str, artifact_name: str = "reranker", serving: dict[str, Any] | None = None
+) -> str | None:
+    """Log the fine-tuned reranker to the active MLflow run as a pyfunc model; returns its URI.
+
+    ``serving`` adds serving settings to the model's ``reranker.json`` (scoring options, instructions,
+    image roots: see ``mlflow_model.py``)."""
     import json
     import tempfile
     from pathlib import Path
@@ -111,7 +133,7 @@ def log_reranker_model(adapter_dir: str, base: str, artifact_name: str = "rerank
         return None
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "reranker.json"
-        config.write_text(json.dumps({"base": base}))
+        config.write_text(json.dumps({**(serving or {}), "base": base}))
         # Any of the item columns may be empty; `task_type` (optional) is the record's, as in training.
         columns = [ColSpec("string", name) for name in ("query_text", "query_image", "doc_text", "doc_image")]
         info = mlflow.pyfunc.log_model(
@@ -120,5 +142,7 @@ def log_reranker_model(adapter_dir: str, base: str, artifact_name: str = "rerank
             artifacts={"adapter": adapter_dir, "config": str(config)},
             signature=ModelSignature(inputs=Schema([*columns, ColSpec("string", "task_type", required=False)]),
                                      outputs=Schema([ColSpec("double")])),
+            # Listed, not inferred: inference loads the model in a subprocess (about 30 s on a small CPU).
+            pip_requirements=model_requirements(),
         )
     return info.model_uri

@@ -13,9 +13,12 @@ def _numeric(metrics: dict[str, Any], prefix: str) -> dict[str, float]:
 
 
 def log_run_to_mlflow(
-    evaluation_mlflow_metrics: dict[str, float], data_counts: dict[str, Any], stage_results: list[dict], model: dict
+    evaluation_mlflow_metrics: dict[str, float], data_counts: dict[str, Any], stage_results: list[dict], model: dict,
+    serving_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Log data counts and evaluation metrics on the parent run, per-stage figures on the stage runs, and the model."""
+    """Log data counts and evaluation metrics on the parent run, per-stage figures on the stage runs, and the model.
+
+    ``serving_config`` (scoring options, image roots) goes into the logged model's ``reranker.json``."""
     logged: dict[str, Any] = {"metrics": 0, "model_uri": None, "failures": []}
     try:
         import mlflow
@@ -39,7 +42,7 @@ def log_run_to_mlflow(
         if final is not None:
             from lychee_pipeline.tracking import log_reranker_model
 
-            logged["model_uri"] = log_reranker_model(final["adapter_dir"], model["name_or_path"])
+            logged["model_uri"] = log_reranker_model(final["adapter_dir"], model["name_or_path"], serving=serving_config)
     except Exception as exc:  # noqa: BLE001 - a tracking failure is reported, the run's files are already saved
         log.error("MLflow logging failed (outputs are saved under data/): %s: %s", type(exc).__name__, exc)
         logged["failures"].append(f"{type(exc).__name__}: {exc}")
@@ -47,8 +50,9 @@ def log_run_to_mlflow(
 
 
 def summarize_run(data_counts: dict[str, Any], stage_results: list[dict], evaluation_mlflow_metrics: dict[str, float],
-                  mlflow_logging: dict[str, Any]) -> dict[str, Any]:
-    """One closing summary: records in and out, stages, MRR@10 base -> fine-tuned, where the report is."""
+                  mlflow_logging: dict[str, Any], registry_outcome: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One closing summary: records in and out, stages, MRR@10 base -> fine-tuned, where the report is, and
+    (in `full`) what the model registry did."""
     mrr = {m: evaluation_mlflow_metrics.get(f"test.mrr_at_10.{m}") for m in ("base", "finetuned")}
     summary = {
         "records_in": data_counts.get("lines_in"),
@@ -63,12 +67,20 @@ def summarize_run(data_counts: dict[str, Any], stage_results: list[dict], evalua
         "report": "data/08_reporting/evaluation_report.md",
         "mlflow_model_uri": mlflow_logging.get("model_uri"),
     }
+    registry_text = ""
+    if registry_outcome is not None:
+        from lychee_pipeline.registry import summary_line
+
+        summary["registry"] = {k: registry_outcome.get(k) for k in (
+            "status", "name", "version", "model_uri", "alias", "promoted", "champion_version", "reference", "reason")}
+        summary["registry_report"] = "data/08_reporting/registry_report.md"
+        registry_text = f"; registry: {summary_line(registry_outcome)}"
     log.info(
         "run summary: %s lines in -> %s clean (%s rejected, %s quarantined); stages: %s; MRR@10 base %s -> fine-tuned %s;"
-        " report: %s",
+        " report: %s%s",
         summary["records_in"], summary["records_clean"], summary["rejected"], summary["quarantined"],
         "; ".join(summary["stages"]), _fmt(summary["mrr_at_10_base"]), _fmt(summary["mrr_at_10_finetuned"]),
-        summary["report"],
+        summary["report"], registry_text,
     )
     return summary
 

@@ -7,13 +7,19 @@ from kedro.pipeline import Node, Pipeline
 from .nodes import log_run_to_mlflow, summarize_run
 
 
-def create_pipeline(**kwargs) -> Pipeline:
-    """Log the run to MLflow and summarise it."""
+def create_pipeline(registry: bool = False, **kwargs) -> Pipeline:
+    """Log the run to MLflow and summarise it; with ``registry`` the summary also reads ``registry_outcome``."""
+    from lychee_pipeline.pipelines.registry.nodes import serving_config
+
+    summary_inputs = ["data_counts", "stage_results", "evaluation_mlflow_metrics", "mlflow_logging"]
     return Pipeline(
         [
-            Node(log_run_to_mlflow, ["evaluation_mlflow_metrics", "data_counts", "stage_results", "params:model"],
+            Node(serving_config, ["raw_source", "params:evaluation", "params:serving"], "serving_config",
+                 name="build_serving_config", tags=["reporting"]),
+            Node(log_run_to_mlflow,
+                 ["evaluation_mlflow_metrics", "data_counts", "stage_results", "params:model", "serving_config"],
                  "mlflow_logging", name="log_run_to_mlflow", tags=["reporting"]),
-            Node(summarize_run, ["data_counts", "stage_results", "evaluation_mlflow_metrics", "mlflow_logging"],
+            Node(summarize_run, summary_inputs + (["registry_outcome"] if registry else []),
                  "run_summary", name="summarize_run", tags=["reporting"]),
         ]
     )

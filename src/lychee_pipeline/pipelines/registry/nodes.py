@@ -1,0 +1,119 @@
+"""Registry nodes: thin wrappers over :mod:`lychee_pipeline.registry`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pandas as pd
+
+from lychee_pipeline import registry
+from lychee_pipeline.pipelines.evaluation.nodes import BASE, candidate_table, score_candidates
+
+log = logging.getLogger(__name__)
+
+#: Training settings that decide how pairs are processed (they travel with the model as version tags).
+PROCESSING_KEYS = ("max_length", "min_pixels", "max_pixels", "resolution_schedule", "loss", "group_size")
+
+
+def serving_config(raw_source: Mapping[str, Any], evaluation: Mapping[str, Any],
+                   serving: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What the logged MLflow model scores with besides its weights (see ``mlflow_model.py``).
+
+    The evaluation's reranker options and instructions (so served scores equal the evaluation's), and
+    the image roots requests are confined to: ``serving.image_roots``, else the run's data image roots.
+    """
+    from lychee_pipeline.pipelines.data_ingestion.nodes import image_roots_of
+
+    roots = image_roots_of((serving or {}).get("image_roots")) or list(raw_source.get("image_roots") or [])
+    return {
+        "reranker": dict(evaluation.get("reranker") or {}),
+        "instructions": evaluation.get("instructions") or None,
+        "image_roots": roots,
+    }
+
+
+def processing_settings(training: Mapping[str, Any], evaluation: Mapping[str, Any],
+                        data_processing: Mapping[str, Any]) -> dict[str, Any]:
+    """Training's pair processing, the scoring options and the split settings (which test split)."""
+    return {
+        "training": {k: training.get(k) for k in PROCESSING_KEYS if k in training},
+        "scoring": {k: v for k, v in (evaluation.get("reranker") or {}).items()},
+        "instructions": evaluation.get("instructions"),
+        "split": dict(data_processing.get("split") or {}),
+    }
+
+
+def register_final_model(
+    test_records: Any,
+    test_scores: pd.DataFrame,
+    stage_results: Sequence[Mapping[str, Any]],
+    mlflow_logging: Mapping[str, Any],
+    model: Mapping[str, Any],
+    data_counts: Mapping[str, Any],
+    evaluation_mlflow_metrics: Mapping[str, float],
+    evaluation: Mapping[str, Any],
+    training: Mapping[str, Any],
+    data_processing: Mapping[str, Any],
+    params: Mapping[str, Any],
+) -> tuple[dict[str, Any], str]:
+    """Register the final stage's logged model; champion alias only if it wins the paired test."""
+    outcome: dict[str, Any]
+    name = str(params.get("model_name") or "lychee-reranker")
+    if not params.get("enabled", True):
+        outcome = {"status": "skipped", "name": name, "reason": "registry.enabled is false"}
+    elif not mlflow_logging.get("model_uri"):
+        reason = "no logged MLflow model"
+        if mlflow_logging.get("failures"):
+            reason += ": " + "; ".join(mlflow_logging["failures"])
+        outcome = {"status": "skipped", "name": name, "reason": reason}
+    else:
+        try:
+            outcome = _register(test_records, test_scores, stage_results, mlflow_logging, model, data_counts,
+                                evaluation_mlflow_metrics, evaluation, training, data_processing, params, name)
+        except Exception as exc:  # noqa: BLE001 - the run's outputs are saved; the summary says what failed
+            log.error("model registry step failed: %s: %s", type(exc).__name__, exc)
+            outcome = {"status": "failed", "name": name, "reason": f"{type(exc).__name__}: {exc}"}
+    if outcome["status"] != "registered":
+        log.warning("registry: %s (%s)", outcome["status"], outcome["reason"])
+    return outcome, registry.render_report(outcome)
+
+
+def _register(test_records, test_scores, stage_results, mlflow_logging, model, data_counts, evaluation_mlflow_metrics,
+              evaluation, training, data_processing, params, name) -> dict[str, Any]:
+    import mlflow
+
+    final = str(stage_results[-1]["stage"])
+    new_scores = test_scores[test_scores["model"] == final].drop(columns="model")
+    base_scores = test_scores[test_scores["model"] == BASE].drop(columns="model")
+    if new_scores.empty:
+        raise ValueError(f"test_scores hold no scores of the final stage {final!r}")
+    seed = int(evaluation.get("seed", 0))
+    query_ids = set(new_scores["query_id"].astype(str))
+
+    def score_reference(uri: str) -> pd.DataFrame:
+        queries = [q for q in candidate_table(test_records, seed) if q["query_id"] in query_ids]
+        log.info("registry: scoring %s on the same %d test queries", uri, len(queries))
+        table = score_candidates(queries, "champion", registry.load_scorer(uri))
+        return table.drop(columns="model")
+
+    active = mlflow.active_run()
+    run_id = active.info.run_id if active is not None else None
+    tags = registry.version_tags(
+        evaluation_mlflow_metrics, data_counts, processing_settings(training, evaluation, data_processing),
+        {"run_id": run_id, "stage": final, "base_model": model.get("name_or_path"), "finetune": model.get("finetune"),
+         "logged_model_uri": mlflow_logging["model_uri"]},
+    )
+    sig = evaluation.get("significance") or {}
+    outcome = registry.register_and_gate(
+        model_uri=mlflow_logging["model_uri"], name=name, new_scores=new_scores, base_scores=base_scores,
+        score_reference=score_reference, tags=tags, gate=params.get("gate"),
+        alias=str(params.get("alias") or "champion"), seed=seed,
+        n_resamples=int(sig.get("n_resamples", 10_000)), confidence_level=float(sig.get("confidence_level", 0.95)),
+        run_id=run_id,
+    )
+    if active is not None:
+        mlflow.set_tags({"registry.version": outcome["version"], "registry.promoted": outcome["promoted"],
+                         "registry.reason": outcome["reason"][:5000]})
+    return outcome

@@ -1,0 +1,249 @@
+"""The MLflow Model Registry side of a run (Kedro-free): register the final model, gate the champion alias.
+
+A run's final model is registered as a new version of one registered model (``lychee-reranker`` by default)
+with the run's metrics, data counts and processing settings as version tags. It gets the alias
+``champion`` only if it beats the reference on this run's test split by the evaluation's paired test
+(:func:`lychee_pipeline.evaluation.metrics.paired_comparison`):
+
+- the reference is the current champion, scored in this run on the same candidates; with no champion
+  yet, the base model (already scored by the evaluation);
+- "beats" means: mean per-query difference of ``gate.metric`` above ``gate.min_improvement`` and the
+  two-sided paired randomisation p-value below ``gate.alpha``.
+
+Otherwise the version is registered with the reason as the tag ``gate.reason`` and the champion stays.
+Rolling back is moving the alias: ``MlflowClient().set_registered_model_alias(name, "champion", version)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pandas as pd
+
+from lychee_pipeline.evaluation.metrics import paired_comparison, per_query_metrics
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GATE = {"metric": "mrr_at_10", "alpha": 0.05, "min_improvement": 0.0}
+TAG_LIMIT = 5000  # MLflow's tag value limit
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def current_champion(client: Any, name: str, alias: str = "champion") -> Any | None:
+    """The model version holding ``alias`` (None when the model or the alias does not exist)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_model_version_by_alias(name, alias)
+    except MlflowException:
+        return None
+
+
+def load_scorer(model_uri: str) -> Any:
+    """The :class:`~lychee_pipeline.reranker.Reranker` inside a logged or registered pyfunc model.
+
+    It carries the model's logged scoring settings, so its scores are the served ones.
+    """
+    import mlflow
+
+    return mlflow.pyfunc.load_model(model_uri).unwrap_python_model().reranker
+
+
+def describe_model_uri(uri: str) -> dict[str, Any]:
+    """``models:/name@alias`` or ``models:/name/version`` -> the registered name, version and run it came from."""
+    import mlflow
+
+    rest = uri[len("models:/"):]
+    client = mlflow.MlflowClient()
+    if "@" in rest:
+        name, alias = rest.split("@", 1)
+        version = client.get_model_version_by_alias(name, alias)
+    else:
+        name, _, number = rest.partition("/")
+        alias = None
+        version = client.get_model_version(name, number)
+    return {"model_name": name, "model_version": int(version.version), "model_alias": alias,
+            "model_run_id": version.run_id}
+
+
+def decide(comparison: Mapping[str, Mapping[str, Any]], gate: Mapping[str, Any], reference: str) -> tuple[bool, str]:
+    """(promote?, reason) from a :func:`paired_comparison` of the reference (``base``) and the new model."""
+    gate = {**DEFAULT_GATE, **dict(gate or {})}
+    metric, alpha, min_improvement = str(gate["metric"]), float(gate["alpha"]), float(gate["min_improvement"])
+    if metric not in comparison:
+        raise ValueError(f"registry.gate.metric {metric!r} is not one of {sorted(comparison)}")
+    row = comparison[metric]
+    diff, p = row.get("diff"), row.get("p_value")
+    figures = (f"{metric} {_fmt(row.get('base'))} -> {_fmt(row.get('finetuned'))} ({'+' if (diff or 0) >= 0 else ''}"
+               f"{_fmt(diff)}), p={_fmt(p)} over {row.get('n_queries')} queries")
+    if diff is None or p is None:
+        return False, f"not promoted: too few test queries to compare with the {reference} ({figures})"
+    failed = []
+    if not diff > min_improvement:
+        failed.append(f"difference {_fmt(diff)} is not above min_improvement {min_improvement:g}")
+    if not p < alpha:
+        failed.append(f"p-value {_fmt(p)} is not below alpha {alpha:g}")
+    if failed:
+        return False, f"not promoted: does not beat the {reference}: " + " and ".join(failed) + f" ({figures})"
+    return True, f"promoted: beats the {reference} ({figures}, alpha {alpha:g})"
+
+
+def compare(reference_scores: pd.DataFrame, new_scores: pd.DataFrame, *, seed: int = 0, n_resamples: int = 10_000,
+            confidence_level: float = 0.95) -> dict[str, dict[str, Any]]:
+    """The evaluation's paired comparison, reference as ``base`` and the new model as ``finetuned``.
+
+    Only queries both tables hold are compared (the same test split, scored in this run).
+    """
+    return paired_comparison(per_query_metrics(reference_scores, seed), per_query_metrics(new_scores, seed),
+                             n_resamples=n_resamples, confidence_level=confidence_level, seed=seed)
+
+
+def version_tags(metrics: Mapping[str, Any], data_counts: Mapping[str, Any], processing: Mapping[str, Any],
+                 extra: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """Flat string tags: ``metric.<name>``, ``data.<count>``, ``processing.<setting>`` and ``extra`` as given."""
+    tags: dict[str, str] = {}
+    for key, value in metrics.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            tags[f"metric.{key}"] = repr(float(value))
+    for key, value in data_counts.items():
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            tags[f"data.{key}"] = str(value)
+    for key, value in _flat(processing).items():
+        tags[f"processing.{key}"] = value
+    for key, value in (extra or {}).items():
+        if value is not None:
+            tags[str(key)] = str(value)
+    return {k: v[:TAG_LIMIT] for k, v in tags.items()}
+
+
+def _flat(values: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in values.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            out.update(_flat(value, name))
+        else:
+            out[name] = str(value)
+    return out
+
+
+def register_and_gate(
+    *,
+    model_uri: str,
+    name: str,
+    new_scores: pd.DataFrame,
+    base_scores: pd.DataFrame,
+    score_reference: Callable[[str], pd.DataFrame],
+    tags: Mapping[str, str],
+    gate: Mapping[str, Any] | None = None,
+    alias: str = "champion",
+    seed: int = 0,
+    n_resamples: int = 10_000,
+    confidence_level: float = 0.95,
+    run_id: str | None = None,
+) -> dict[str, Any]:
+    """Register ``model_uri`` as a new version of ``name`` and give it ``alias`` if it passes the gate.
+
+    ``score_reference(uri)`` scores the current champion (``models:/<name>/<version>``) on the same
+    candidates as ``new_scores`` (the long scores table of the evaluation); with no champion the new
+    model is compared with ``base_scores``. Uses the global MLflow tracking / registry URI.
+    Returns the outcome (what the run summary and the registry report show).
+    """
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    gate = {**DEFAULT_GATE, **dict(gate or {})}
+    champion = current_champion(client, name, alias)
+    reference_scores, failure = base_scores, None
+    if champion is not None:
+        reference = f"current {alias} (version {champion.version})"
+        try:
+            reference_scores = score_reference(f"models:/{name}/{champion.version}")
+        except Exception as exc:  # noqa: BLE001 - the new version is still registered, with the reason
+            failure = f"not promoted: the {reference} could not be scored: {type(exc).__name__}: {exc}"
+            log.error("registry: %s", failure)
+    else:
+        reference = "base model"
+    if failure is None:
+        comparison = compare(reference_scores, new_scores, seed=seed, n_resamples=n_resamples,
+                             confidence_level=confidence_level)
+        promote, reason = decide(comparison, gate, reference)
+    else:
+        comparison, promote, reason = {}, False, failure
+    row = comparison.get(str(gate["metric"]), {})
+    gate_tags = {
+        "gate.decision": alias if promote else "not promoted",
+        "gate.reason": reason,
+        "gate.reference": reference,
+        "gate.reference_version": champion.version if champion is not None else "base",
+        "gate.metric": gate["metric"], "gate.alpha": gate["alpha"], "gate.min_improvement": gate["min_improvement"],
+        "gate.reference_value": row.get("base"), "gate.value": row.get("finetuned"), "gate.diff": row.get("diff"),
+        "gate.p_value": row.get("p_value"), "gate.n_queries": row.get("n_queries"),
+        "gate.test": row.get("test"),
+    }
+    all_tags = {**dict(tags), **{k: str(v)[:TAG_LIMIT] for k, v in gate_tags.items() if v is not None}}
+    version = mlflow.register_model(model_uri, name, tags=all_tags)
+    if run_id:
+        client.update_model_version(name, version.version, description=f"{reason} (run {run_id})"[:TAG_LIMIT])
+    if promote:
+        client.set_registered_model_alias(name, alias, version.version)
+        if champion is not None:
+            client.set_model_version_tag(name, champion.version, "replaced_by", str(version.version))
+    log.info("registry: %s version %s registered; %s", name, version.version, reason)
+    return {
+        "status": "registered",
+        "name": name,
+        "version": int(version.version),
+        "model_uri": f"models:/{name}/{version.version}",
+        "alias": alias,
+        "promoted": promote,
+        "champion_version": int(version.version) if promote else (int(champion.version) if champion else None),
+        "previous_champion_version": int(champion.version) if champion is not None else None,
+        "reference": reference,
+        "reason": reason,
+        "gate": gate,
+        "comparison": comparison,
+    }
+
+
+def render_report(outcome: Mapping[str, Any]) -> str:
+    """A short Markdown account of the registry step."""
+    lines = ["# Model registry", ""]
+    if outcome.get("status") != "registered":
+        lines += [f"Not registered ({outcome.get('status')}): {outcome.get('reason')}", ""]
+        return "\n".join(lines)
+    name, version, alias = outcome["name"], outcome["version"], outcome["alias"]
+    lines += [
+        f"- registered: `{name}` version {version} (`{outcome['model_uri']}`)",
+        f"- compared with: {outcome['reference']}, on this run's test split, paired randomisation test",
+        f"- decision: {outcome['reason']}",
+        f"- `{alias}` now: version {outcome['champion_version']}" if outcome.get("champion_version") is not None
+        else f"- `{alias}`: none",
+        "",
+        "| metric | reference | new | diff | p-value | CI |",
+        "|---|---|---|---|---|---|",
+    ]
+    for metric, row in (outcome.get("comparison") or {}).items():
+        lines.append(f"| {metric} | {_fmt(row.get('base'))} | {_fmt(row.get('finetuned'))} | {_fmt(row.get('diff'))} "
+                     f"| {_fmt(row.get('p_value'))} | [{_fmt(row.get('ci_low'))}, {_fmt(row.get('ci_high'))}] |")
+    lines += ["", f"Roll back: `MlflowClient().set_registered_model_alias(\"{name}\", \"{alias}\", <version>)`.", ""]
+    return "\n".join(lines)
+
+
+def summary_line(outcome: Mapping[str, Any] | None) -> str:
+    """One phrase for the run summary."""
+    if not outcome:
+        return "not run"
+    if outcome.get("status") != "registered":
+        return f"{outcome.get('status')}: {outcome.get('reason')}"
+    state = f"-> {outcome['alias']}" if outcome["promoted"] else f"{outcome['alias']} stays " + (
+        f"v{outcome['champion_version']}" if outcome.get("champion_version") is not None else "unset")
+    return f"{outcome['name']} v{outcome['version']} {state} ({outcome['reason']})"

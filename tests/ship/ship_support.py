@@ -1,0 +1,113 @@
+"""Helpers of the ship tests: a mixed-modality candidate set, test rows whose labels a given model wins,
+and one `full` run's tail (evaluation scoring, MLflow model logging, the registry node) done for real."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+N_QUERIES = 24
+WORDS = ["red", "blue", "green", "silk", "cotton", "leather", "dress", "shoes", "bag", "scarf", "coat", "hat"]
+
+#: Evaluation parameters of the ship tests (fewer resamples: fast, still a real paired test).
+EVALUATION = {"seed": 0, "reranker": {"batch_size": 16, "device": "cpu"}, "instructions": None,
+              "significance": {"n_resamples": 2000, "confidence_level": 0.95}}
+REGISTRY = {"enabled": True, "model_name": "lychee-reranker", "alias": "champion",
+            "gate": {"metric": "mrr_at_10", "alpha": 0.05, "min_improvement": 0.0}}
+TRAINING = {"max_length": 3200, "min_pixels": 3136, "max_pixels": 12544, "loss": "pointwise", "group_size": 4}
+DATA_PROCESSING = {"split": {"method": "hash", "seed": 42, "ratios": {"train": 0.8, "val": 0.1, "test": 0.1}}}
+
+
+@contextmanager
+def mlflow_store(root: Path):
+    """The global MLflow tracking URI and the working folder pointed at `root` (store and artifacts), restored after."""
+    import mlflow
+
+    previous_uri, previous_cwd = mlflow.get_tracking_uri(), os.getcwd()
+    os.chdir(root)
+    mlflow.set_tracking_uri(f"sqlite:///{root / 'mlflow.db'}")
+    try:
+        mlflow.set_experiment("lychee_pipeline")
+        yield
+    finally:
+        while mlflow.active_run() is not None:
+            mlflow.end_run()
+        mlflow.set_tracking_uri(previous_uri)
+        os.chdir(previous_cwd)
+
+
+def candidate_queries(images: Path) -> list[dict[str, Any]]:
+    """24 queries of 4 candidates each, every modality mix: text, image and text+image on both sides."""
+    out = []
+    for q in range(N_QUERIES):
+        word = lambda k: WORDS[(q * 5 + k) % len(WORDS)]  # noqa: E731
+        image = lambda k: str(images / f"img{(q + k) % 6}.png")  # noqa: E731
+        query = [{"text": f"{word(0)} {word(1)}", "image": None}, {"text": f"{word(2)} {word(3)} for women", "image": None},
+                 {"text": None, "image": image(0)}, {"text": f"like this {word(4)}", "image": image(1)}][q % 4]
+        docs = [{"text": f"a {word(1)} {word(6)} in stock", "image": None},
+                {"text": None, "image": image(2)},
+                {"text": f"{word(3)} {word(7)} with pictures", "image": image(3)},
+                {"text": f"{word(8)} {word(9)} {word(10)}", "image": None}]
+        out.append({"query_id": f"q{q}", "query": query,
+                    "docs": [{"doc_id": f"q{q}-d{k}", **d} for k, d in enumerate(docs)]})
+    return out
+
+
+def make_test_records(queries: list[dict[str, Any]], winner_scores: list[float]) -> list[dict[str, Any]]:
+    """Model-input rows: each query's positive is the document `winner_scores` ranks first."""
+    from lychee_pipeline.reranker.prompt import task_type_of
+
+    rows, it = [], iter(winner_scores)
+    for q in queries:
+        scores = [next(it) for _ in q["docs"]]
+        best = int(np.argmax(scores))
+        docs = [{"doc_id": d["doc_id"], "text": d["text"], "image": d["image"], "meta": "{}"} for d in q["docs"]]
+        rows.append({
+            "record_id": q["query_id"], "query": q["query"],
+            "positives": [docs[best]],
+            "negatives": [{**d, "hard": True} for k, d in enumerate(docs) if k != best],
+            "task_type": task_type_of(q["query"], q["docs"][best]), "language": "en", "split": "test",
+        })
+    return rows
+
+
+def score_pairs(model_dir: str, queries: list[dict[str, Any]]) -> list[float]:
+    from lychee_pipeline.reranker import Reranker
+
+    reranker = Reranker.from_pretrained(model_dir, device="cpu", batch_size=16)
+    return reranker.score_pairs([(q["query"], {"text": d["text"], "image": d["image"]}) for q in queries
+                                 for d in q["docs"]])
+
+
+def register_run(records: list[dict[str, Any]], new_model: str, base_model: str, image_root: Path,
+                 stage: str = "stage_1cpu_final", name: str = "lychee-reranker") -> tuple[dict[str, Any], Any]:
+    """One `full` run's tail, for real: the evaluation scores base and new model on `records`, the new model is
+    logged to a new MLflow run (with the serving config of the reporting step), then the registry node runs.
+    Returns (outcome, test_scores). Uses the global MLflow tracking URI."""
+    import mlflow
+
+    from lychee_pipeline.pipelines.evaluation.nodes import score_test_set
+    from lychee_pipeline.pipelines.registry.nodes import register_final_model, serving_config
+    from lychee_pipeline.tracking import log_reranker_model
+
+    stage_results = [{"stage": stage, "adapter_dir": new_model}]
+    scores = score_test_set(records, stage_results, {"name_or_path": base_model}, EVALUATION)
+    serving = serving_config({"image_roots": [str(image_root)]}, EVALUATION, {"image_roots": None})
+    with mlflow.start_run(run_name="ship-test"):
+        uri = log_reranker_model(new_model, base_model, serving=serving)
+        outcome, report = register_final_model(
+            records, scores, stage_results, {"model_uri": uri, "failures": []},
+            {"name_or_path": base_model, "finetune": "full"},
+            {"lines_in": 30, "clean": 24, "test_size": len(records)},
+            {"test.mrr_at_10.base": 0.5, "test.mrr_at_10.finetuned": 0.9},
+            EVALUATION, TRAINING, DATA_PROCESSING, {**REGISTRY, "model_name": name},
+        )
+    assert outcome["status"] == "registered", outcome
+    assert f"version {outcome['version']}" in report
+    return outcome, scores
+
+

@@ -1,0 +1,96 @@
+"""Registry and champion gate, for real: tiny models with different weights, the evaluation's scoring, a sqlite
+MLflow store, the registry node of `full`. Labels make the outcome known: a split's positives are the documents
+one model ranks first, so that model wins it and the others do not."""
+
+from __future__ import annotations
+
+import shutil
+from urllib.parse import urlparse
+
+import mlflow
+import pytest
+
+from lychee_pipeline.registry import decide, version_tags
+from ship_support import candidate_queries, make_test_records, mlflow_store, register_run, score_pairs
+
+
+NAME = "gate-test-reranker"
+
+
+def _row(diff, p, n=24):
+    return {"mrr_at_10": {"base": 0.5, "finetuned": 0.5 + (diff or 0), "diff": diff, "p_value": p, "n_queries": n}}
+
+
+def test_gate_rule_needs_both_the_difference_and_the_p_value():
+    gate = {"metric": "mrr_at_10", "alpha": 0.05, "min_improvement": 0.01}
+    assert decide(_row(0.2, 0.001), gate, "base model")[0]
+    promote, reason = decide(_row(0.2, 0.2), gate, "base model")
+    assert not promote and "p-value 0.2000 is not below alpha 0.05" in reason
+    promote, reason = decide(_row(0.005, 0.001), gate, "current champion (version 1)")
+    assert not promote and "difference 0.0050 is not above min_improvement 0.01" in reason
+    assert "current champion (version 1)" in reason
+    promote, reason = decide(_row(-0.3, 0.001), gate, "base model")
+    assert not promote
+    assert not decide(_row(None, None, 1), gate, "base model")[0]
+    with pytest.raises(ValueError, match="registry.gate.metric"):
+        decide(_row(0.2, 0.001), {"metric": "mrr"}, "base model")
+
+
+def test_version_tags_hold_metrics_counts_and_processing():
+    tags = version_tags({"test.mrr_at_10.finetuned": 0.5}, {"lines_in": 10, "ok": True},
+                        {"training": {"max_pixels": 12544}, "split": {"seed": 42}}, {"run_id": "r", "none": None})
+    assert tags == {"metric.test.mrr_at_10.finetuned": "0.5", "data.lines_in": "10",
+                    "processing.training.max_pixels": "12544", "processing.split.seed": "42", "run_id": "r"}
+
+
+def test_champion_gate_first_version_then_refused_then_replaced(champion_project, ship_models, ship_images):
+    """v1 (model a) beats the base model -> champion; v2 (model b) does not beat champion v1 on a split a wins ->
+    registered with the reason, champion stays; v3 (model b) beats champion v1 on a split b wins -> champion;
+    v4 while champion v3 cannot be loaded -> registered with that reason, champion stays.
+    (A model name of its own, in the store of the champion project: one sqlite store to create, not two.)"""
+    queries = candidate_queries(ship_images)
+    a_wins = champion_project["records"]  # the split model a wins (its first choices are the positives)
+    b_wins = make_test_records(queries, score_pairs(ship_models["b"], queries))
+    assert a_wins != b_wins  # the two models disagree on some queries' best document
+    with mlflow_store(champion_project["root"]):
+        client = mlflow.MlflowClient()
+        first, _ = register_run(a_wins, ship_models["a"], ship_models["base"], ship_images, name=NAME)
+        assert first["version"] == 1 and first["promoted"], first["reason"]
+        assert first["reference"] == "base model"
+        assert str(client.get_model_version_by_alias(NAME, "champion").version) == "1"
+
+        second, _ = register_run(a_wins, ship_models["b"], ship_models["base"], ship_images, name=NAME)
+        assert second["version"] == 2 and not second["promoted"]
+        assert second["reference"] == "current champion (version 1)"
+        assert str(client.get_model_version_by_alias(NAME, "champion").version) == "1"
+        v2 = client.get_model_version(NAME, "2")
+        assert v2.tags["gate.decision"] == "not promoted"
+        assert v2.tags["gate.reason"].startswith("not promoted: does not beat the current champion (version 1)")
+        # the champion was scored in this run on the same split: it wins its own split outright
+        assert float(v2.tags["gate.reference_value"]) == pytest.approx(1.0)
+        assert float(v2.tags["gate.diff"]) < 0
+
+        third, _ = register_run(b_wins, ship_models["b"], ship_models["base"], ship_images, name=NAME)
+        assert third["version"] == 3 and third["promoted"], third["reason"]
+        assert third["previous_champion_version"] == 1
+        assert str(client.get_model_version_by_alias(NAME, "champion").version) == "3"
+        assert client.get_model_version(NAME, "1").tags["replaced_by"] == "3"
+        v3 = client.get_model_version(NAME, "3")
+        assert float(v3.tags["gate.value"]) == pytest.approx(1.0) and float(v3.tags["gate.p_value"]) < 0.05
+        # what the run had: metrics, data counts, processing settings, the run that logged it
+        assert v3.tags["metric.test.mrr_at_10.finetuned"] == "0.9"
+        assert v3.tags["data.test_size"] == "24"
+        assert v3.tags["processing.training.max_pixels"] == "12544"
+        assert v3.tags["processing.split.seed"] == "42"
+        assert v3.tags["processing.scoring.batch_size"] == "16"
+        assert v3.run_id and v3.tags["run_id"] == v3.run_id
+        run = client.get_run(v3.run_id)
+        assert run.data.tags["registry.version"] == "3" and run.data.tags["registry.promoted"] == "True"
+
+        # the champion's files are gone: the next version is still registered, says why, and the alias stays
+        shutil.rmtree(urlparse(client.get_model_version_download_uri(NAME, "3")).path)
+        fourth, _ = register_run(b_wins, ship_models["a"], ship_models["base"], ship_images, name=NAME)
+        assert fourth["version"] == 4 and not fourth["promoted"]
+        assert fourth["reason"].startswith("not promoted: the current champion (version 3) could not be scored")
+        assert client.get_model_version(NAME, "4").tags["gate.reason"] == fourth["reason"]
+        assert str(client.get_model_version_by_alias(NAME, "champion").version) == "3"

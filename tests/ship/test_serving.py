@@ -1,0 +1,128 @@
+"""`mlflow models serve -m "models:/lychee-reranker@champion" --env-manager local` answers /invocations with the
+evaluation's scores for the same pairs, and refuses image paths outside the configured roots.
+
+The server is started as a user starts it, on a free loopback port, against the champion project's sqlite store,
+and stopped by its PID (its process group) at the end, whatever happened."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+STARTUP_LIMIT_S = 180  # a loaded CI machine; the measured startup is printed (docs/serving.md quotes it)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(base: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(f"{base}/invocations", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+def _golden_rows(project: dict) -> tuple[list[dict], list[float]]:
+    """Mixed pairs (text, image, text+image on either side) with the evaluation's score of each.
+
+    Images are sent both as paths relative to the image root and as absolute paths."""
+    scores = project["scores"]
+    final = scores[scores["model"] == "stage_1cpu_final"].set_index(["query_id", "doc_id"])["score"]
+    root = project["images"]
+    rows, expected = [], []
+    for q in project["queries"][:8]:  # the four query kinds, twice
+        for k, doc in enumerate(q["docs"]):
+            if (k + int(q["query_id"][1:])) % 2:
+                continue
+            relative = lambda p: os.path.relpath(p, root) if p and k % 2 == 0 else p  # noqa: E731
+            rows.append({"query_text": q["query"]["text"] or "", "query_image": relative(q["query"]["image"]) or "",
+                         "doc_text": doc["text"] or "", "doc_image": relative(doc["image"]) or ""})
+            expected.append(float(final[(q["query_id"], doc["doc_id"])]))
+    kinds = {(bool(r["query_text"]), bool(r["query_image"]), bool(r["doc_text"]), bool(r["doc_image"])) for r in rows}
+    assert len(kinds) >= 6, kinds  # text / image / both on each side
+    return rows, expected
+
+
+@pytest.fixture(scope="module")
+def served_champion(champion_project, tmp_path_factory):
+    """One server for the module's tests."""
+    root = champion_project["root"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_") and k != "LYCHEE_IMAGE_ROOTS"}
+    env.update(MLFLOW_TRACKING_URI=champion_project["tracking_uri"], KEDRO_DISABLE_TELEMETRY="1",
+               MLFLOW_DISABLE_TELEMETRY="1", DO_NOT_TRACK="1", OMP_NUM_THREADS="1",
+               # the server execs `uvicorn` from PATH: the environment's bin folder first, as when it is activated
+               PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    with open(log_path, "w") as log:
+        started = time.monotonic()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "models", "serve", "-m", "models:/lychee-reranker@champion",
+             "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+            cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/ping", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if proc.poll() is not None or time.monotonic() - started > STARTUP_LIMIT_S:
+                pytest.fail(f"mlflow models serve did not come up:\n{log_path.read_text()[-4000:]}")
+            time.sleep(0.25)
+        startup = time.monotonic() - started
+        print(f"mlflow models serve ready after {startup:.1f} s")
+        yield {"base": base, "startup_s": startup, "pid": proc.pid}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # the server and its uvicorn worker: one process group
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        assert proc.poll() is not None
+
+
+def test_served_champion_scores_equal_the_evaluation(champion_project, served_champion):
+    rows, expected = _golden_rows(champion_project)
+    status, body = _post(served_champion["base"], {"dataframe_records": rows})
+    assert status == 200, body
+    served = body["predictions"]
+    assert len(served) == len(expected)
+    assert max(abs(a - b) for a, b in zip(served, expected)) <= 1e-5, list(zip(served, expected))
+
+    # the same request in the split orientation (what `curl` in docs/serving.md sends)
+    columns = list(rows[0])
+    status, body = _post(served_champion["base"],
+                         {"dataframe_split": {"columns": columns, "data": [[r[c] for c in columns] for r in rows[:3]]}})
+    assert status == 200 and body["predictions"] == pytest.approx(expected[:3], abs=1e-5)
+
+
+@pytest.mark.parametrize("path, message", [
+    ("/etc/hostname", "outside the allowed image roots"),
+    ("../../../etc/hostname", "outside the allowed image roots"),
+    ("nowhere.png", "image not found under the allowed image roots"),
+])
+def test_served_model_refuses_images_outside_the_roots(served_champion, path, message):
+    row = {"query_text": "red dress", "query_image": "", "doc_text": "", "doc_image": "img0.png"}
+    status, body = _post(served_champion["base"], {"dataframe_records": [row, {**row, "doc_image": path}]})
+    assert status == 400, body
+    assert message in body.get("message", "") and "row 1" in body["message"], body
