@@ -59,8 +59,6 @@ def candidate_queries(images: Path) -> list[dict[str, Any]]:
 
 def make_test_records(queries: list[dict[str, Any]], winner_scores: list[float]) -> list[dict[str, Any]]:
     """Model-input rows: each query's positive is the document `winner_scores` ranks first."""
-    from lychee_pipeline.reranker.prompt import task_type_of
-
     rows, it = [], iter(winner_scores)
     for q in queries:
         scores = [next(it) for _ in q["docs"]]
@@ -70,7 +68,9 @@ def make_test_records(queries: list[dict[str, Any]], winner_scores: list[float])
             "record_id": q["query_id"], "query": q["query"],
             "positives": [docs[best]],
             "negatives": [{**d, "hard": True} for k, d in enumerate(docs) if k != best],
-            "task_type": task_type_of(q["query"], q["docs"][best]), "language": "en", "split": "test",
+            # No task type: every pair's instruction follows its own modalities, as in `score_pairs` above and
+            # in a request without a task_type column (a record's task type would give all its pairs one).
+            "task_type": None, "language": "en", "split": "test",
         })
     return rows
 
@@ -95,7 +95,9 @@ def register_run(records: list[dict[str, Any]], new_model: str, base_model: str,
     from lychee_pipeline.tracking import log_reranker_model
 
     stage_results = [{"stage": stage, "adapter_dir": new_model}]
-    scores = score_test_set(records, stage_results, {"name_or_path": base_model}, EVALUATION)
+    scoring_dir = Path(new_model).parent / f"scoring_{Path(new_model).name}"  # this run's, not the repo's data/
+    evaluation = {**EVALUATION, "score_cache": {"enabled": False}, "scoring": {"work_dir": str(scoring_dir)}}
+    scores, _ = score_test_set(records, stage_results, {"name_or_path": base_model}, evaluation, 1, "cpu")
     serving = serving_config({"image_roots": [str(image_root)]}, EVALUATION, {"image_roots": None})
     with mlflow.start_run(run_name="ship-test"):
         uri = log_reranker_model(new_model, base_model, serving=serving)

@@ -92,7 +92,9 @@ def test_evaluation_the_reranker_and_the_mlflow_model_score_with_the_trained_set
         assert direct[key] == pytest.approx(from_node[key], abs=1e-6), key
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("LYCHEE_IMAGE_ROOTS", str(tmp_path))  # the served model reads images only under its roots
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.set_experiment("processing-parity")  # not an experiment id another test's store left active
     with mlflow.start_run():
         uri = log_reranker_model(result["adapter_dir"], base="builtin:tiny")
     served = mlflow.pyfunc.load_model(uri).predict(pd.DataFrame([
