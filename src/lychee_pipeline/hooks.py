@@ -13,12 +13,156 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import signal
+import sys
 import threading
+from pathlib import Path
+from typing import Any
 
 from kedro.framework.hooks import hook_impl
 
 log = logging.getLogger(__name__)
+
+PLAIN_LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+
+
+class ProjectRootHooks:
+    """Runs work in the project root, whichever folder `kedro run` started in (see `lychee_pipeline.project`)."""
+
+    @hook_impl(tryfirst=True)  # before kedro-mlflow resolves the tracking URI and creates the experiment
+    def after_context_created(self, context) -> None:
+        from lychee_pipeline import quiet_library_warnings
+        from lychee_pipeline.project import enter_project_root
+
+        quiet_library_warnings()
+        root, left = enter_project_root(context.project_path)
+        if left is not None:
+            _reload_project_logging(root)
+            log.info("started in %s: working in the project root %s (every relative path is relative to it)",
+                     left, root)
+        plain_console_log_when_not_a_terminal()
+
+
+def _reload_project_logging(root: Path) -> None:
+    """Kedro read `conf/logging.yml` relative to the folder it started in; read the project's own now."""
+    config = root / "conf" / "logging.yml"
+    if os.environ.get("KEDRO_LOGGING_CONFIG") or not config.is_file():
+        return
+    try:
+        import yaml
+        from kedro.framework.project import LOGGING
+
+        LOGGING.configure(yaml.safe_load(config.read_text(encoding="utf-8")))
+    except Exception as exc:  # noqa: BLE001 - logging set-up never stops a run
+        log.warning("could not load %s: %s", config, exc)
+
+
+def plain_console_log_when_not_a_terminal() -> None:
+    """Rich wraps its log at 80 columns when stderr is a file or a pipe: write plain, unwrapped lines there."""
+    if sys.stderr.isatty():
+        return
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if type(handler).__name__ == "RichHandler":
+            plain = logging.StreamHandler(sys.stderr)
+            plain.setLevel(handler.level)
+            plain.setFormatter(logging.Formatter(PLAIN_LOG_FORMAT))
+            root.removeHandler(handler)
+            root.addHandler(plain)
+
+
+class MlflowStoreHooks:
+    """A copied project's sqlite store gets its artifact locations back inside the project."""
+
+    @hook_impl(trylast=True)  # after kedro-mlflow has set the tracking URI and the experiment
+    def after_context_created(self, context) -> None:
+        try:
+            import mlflow
+
+            from lychee_pipeline.project import relocate_mlflow_store
+
+            experiment = context.config_loader["mlflow"]["tracking"]["experiment"]["name"]
+            old = relocate_mlflow_store(mlflow.get_tracking_uri(), experiment, context.project_path)
+        except Exception as exc:  # noqa: BLE001 - tracking never stops a run
+            log.warning("could not check the MLflow store's artifact location: %s", exc)
+            return
+        if old:
+            log.info("the MLflow store was copied from %s: its artifact locations now point into %s/mlruns",
+                     old, Path(context.project_path).resolve())
+
+
+class ParamsCheckHooks:
+    """`--params` keys the chosen pipeline does not read are named in a warning, with the key it does read."""
+
+    def __init__(self) -> None:
+        self._context = None
+
+    @hook_impl
+    def after_context_created(self, context) -> None:
+        self._context = context
+
+    def _configured_parameters(self, catalog) -> dict:
+        """The parameters of conf/ alone (the catalog's `parameters` include the --params themselves)."""
+        try:
+            loader = self._context.config_loader
+            fresh = type(loader)(conf_source=loader.conf_source, env=loader.env, base_env=loader.base_env,
+                                 default_run_env=loader.default_run_env, config_patterns=loader.config_patterns)
+            return fresh["parameters"]
+        except Exception:  # noqa: BLE001 - fall back to the merged parameters
+            try:
+                return catalog.load("parameters")
+            except Exception:  # noqa: BLE001
+                return {}
+
+    @hook_impl
+    def before_pipeline_run(self, run_params, pipeline, catalog) -> None:
+        runtime = run_params.get("runtime_params") or {}
+        if not runtime:
+            return
+        parameters = self._configured_parameters(catalog)
+        names = run_params.get("pipeline_names") or [run_params.get("pipeline_name") or "__default__"]
+        names = [names] if isinstance(names, str) else names
+        for message in unread_params(runtime, parameters, pipeline.inputs(), "+".join(map(str, names))):
+            log.warning(message)
+
+
+def _flatten(values: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(values, dict) or not values:
+        return {prefix: values} if prefix else {}
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def unread_params(runtime: dict, parameters: dict, inputs: set[str], pipeline_name: str) -> list[str]:
+    """Warnings for the runtime parameters that no node of the pipeline reads (or that another key overrides)."""
+    read = {i[len("params:"):] for i in inputs if i.startswith("params:")}
+    if "parameters" in inputs:
+        return []
+    flat_params = _flatten(parameters)
+
+    def is_read(key: str) -> bool:
+        return any(key == r or key.startswith(r + ".") or r.startswith(key + ".") for r in read)
+
+    messages = []
+    for key in sorted(_flatten(runtime)):
+        if is_read(key):
+            if "smoke" in read and not key.startswith("smoke.") and f"smoke.{key}" in flat_params:
+                messages.append(
+                    f"--params {key} is not used by the {pipeline_name} pipeline: smoke.{key} "
+                    f"(= {flat_params[f'smoke.{key}']!r}) overrides it; set smoke.{key} instead")
+            continue
+        instead = [k for k in flat_params if k.endswith("." + key) and is_read(k)]
+        if instead:
+            messages.append(f"--params {key} is not read by the {pipeline_name} pipeline; it reads "
+                            + " or ".join(instead))
+        elif key in flat_params or any(k.startswith(key + ".") for k in flat_params):
+            messages.append(f"--params {key} is not read by the {pipeline_name} pipeline (no node of it takes it)")
+        else:
+            messages.append(f"--params {key} is not a parameter of this project (see conf/base/parameters_*.yml)")
+    return messages
 
 
 class RunOutcomeHooks:
