@@ -34,10 +34,10 @@ audit: install
 	$(BIN)/python security/audit.py --installed
 
 smoke: install
-	$(BIN)/kedro run --pipeline smoke
+	$(BIN)/kedro run --pipelines smoke
 
 full: install
-	$(BIN)/kedro run --pipeline full --params gpus=$${GPUS:-4}
+	$(BIN)/kedro run --pipelines full --params gpus=$${GPUS:-4}
 
 test: install
 	$(BIN)/python -m pytest
