@@ -39,9 +39,10 @@ class ProjectRootHooks:
         root, left = enter_project_root(context.project_path)
         if left is not None:
             _reload_project_logging(root)
+        plain_console_log_when_not_a_terminal()
+        if left is not None:
             log.info("started in %s: working in the project root %s (every relative path is relative to it)",
                      left, root)
-        plain_console_log_when_not_a_terminal()
 
 
 def _reload_project_logging(root: Path) -> None:
