@@ -14,9 +14,11 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,7 @@ class ProjectRootHooks:
         if left is not None:
             _reload_project_logging(root)
         plain_console_log_when_not_a_terminal()
+        throttle_step_lines()
         if left is not None:
             log.info("started in %s: working in the project root %s (every relative path is relative to it)",
                      left, root)
@@ -71,6 +74,50 @@ def plain_console_log_when_not_a_terminal() -> None:
             plain.setFormatter(logging.Formatter(PLAIN_LOG_FORMAT))
             root.removeHandler(handler)
             root.addHandler(plain)
+
+
+class StepProgressFilter(logging.Filter):
+    """Lets through a relayed training-step line at most every `every_steps` steps or `every_s` seconds.
+
+    `training/launch.py` relays every line of the stage processes to the log (and keeps all of them in the
+    stage's `launch.log`); one line per step made `full` logs of ~900 lines. Per rank, the first and the
+    last step always show, and otherwise a step only once `every_steps` (a tenth of the stage by default)
+    or `every_s` seconds have passed since the rank's last shown step. Other lines pass untouched.
+    """
+
+    STEP = re.compile(r"(\[rank (?P<rank>\d+)\].*?)?\bstep (?P<step>\d+)/(?P<total>\d+) loss ")
+
+    def __init__(self, every_steps: int | None = None, every_s: float = 30.0) -> None:
+        super().__init__()
+        self.every_steps, self.every_s = every_steps, every_s
+        self._last: dict[str, tuple[int, float]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        match = self.STEP.search(record.getMessage())
+        if match is None:
+            return True
+        step, total = int(match["step"]), int(match["total"])
+        rank = match["rank"] or "0"
+        now = time.monotonic()
+        every = self.every_steps or max(1, total // 10)
+        last_step, last_time = self._last.get(rank, (None, 0.0))
+        if last_step is not None and step < last_step:  # a new stage: start over
+            last_step = None
+        show = (last_step is None or step >= total or step - last_step >= every
+                or now - last_time >= self.every_s)
+        if show:
+            self._last[rank] = (step, now)
+        return show
+
+
+STEP_FILTER = StepProgressFilter()
+
+
+def throttle_step_lines() -> None:
+    """Install the step filter on the logger that relays the stage processes' output (once)."""
+    relay = logging.getLogger("lychee_pipeline.training.launch")
+    if STEP_FILTER not in relay.filters:
+        relay.addFilter(STEP_FILTER)
 
 
 class MlflowStoreHooks:

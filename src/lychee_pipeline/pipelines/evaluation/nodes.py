@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 BASE = "base"
 META_FIELDS = ("clicks", "purchased", "popularity")
+SCORING_PROGRESS_EVERY_S = 20.0
 SCORE_COLUMNS = ["model", "query_id", "doc_id", "label", "score", "position", "task_type", "language", *META_FIELDS]
 
 
@@ -134,10 +136,20 @@ def score_candidates(queries: Sequence[Mapping[str, Any]], model: str, reranker:
     by length and batch them across queries; it picks each pair's instruction from its task type.
     """
     pairs = [(q["query"], c["item"]) for q in queries for c in q["candidates"]]
-    step = 1024  # large slices keep the reranker's length sorting useful and the progress bar moving
+    step = 256  # slices large enough for the reranker's length sorting, small enough for the progress to move
     values: list[float] = []
-    for start in tqdm(range(0, len(pairs), step), desc=f"scoring with {model}", unit="slice", disable=None):
+    bar = tqdm(range(0, len(pairs), step), desc=f"scoring with {model}", unit="slice", disable=None)
+    started = last = time.monotonic()
+    for start in bar:
         values.extend(reranker.score_pairs(pairs[start : start + step]))
+        now = time.monotonic()
+        if bar.disable and (now - last >= SCORING_PROGRESS_EVERY_S or len(values) == len(pairs)):
+            # no bar when the output is a file: a line every SCORING_PROGRESS_EVERY_S seconds instead
+            elapsed = now - started
+            logger.info("scoring with %s: %d/%d pairs (%.0f%%) in %.0f s, ETA %.0f s", model, len(values),
+                        len(pairs), 100 * len(values) / max(1, len(pairs)), elapsed,
+                        elapsed / max(1, len(values)) * (len(pairs) - len(values)))
+            last = now
     if len(values) != len(pairs):
         raise RuntimeError(f"{model}: {len(values)} scores for {len(pairs)} pairs")
     rows, it = [], iter(values)
