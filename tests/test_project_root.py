@@ -162,3 +162,37 @@ def test_params_the_full_pipeline_reads_give_no_warning(key):
 
     params, pipelines = _params_and_pipelines()
     assert unread_params({key: 1}, params, pipelines["full"].inputs(), "full") == []
+
+
+def test_the_log_in_a_file_is_plain_short_and_free_of_library_notices(project_a):
+    log = project_a["log"]
+    lines = log.splitlines()
+    after_start = lines[next(i for i, x in enumerate(lines) if "working in the project root" in x):]
+    # whole lines, not Rich's 80-column layout: a long message stays on its line
+    assert any("Pipeline execution completed successfully" in x and " INFO " in x for x in after_start)
+    assert not [x for x in after_start if x.startswith(" " * 20)], "wrapped continuation lines in the file log"
+    for notice in ("register_new_resolver", "is_gradient_checkpointing", "Loading weights"):
+        assert notice not in log, notice
+    steps = [x for x in lines if "] step " in x and " loss " in x]
+    assert 2 <= len(steps) <= 12, steps  # first, last and at most every tenth / 30 s, not one line per step
+
+
+def test_step_lines_are_throttled_per_rank():
+    import logging
+
+    from lychee_pipeline.hooks import StepProgressFilter
+
+    def shown(rank: int, total: int, every_s: float = 3600.0) -> list[int]:
+        f, out = StepProgressFilter(every_s=every_s), []
+        for step in range(1, total + 1):
+            record = logging.LogRecord("x", logging.INFO, "", 0, "[default%d]:[rank %d] step %d/%d loss 0.5 lr 1e-3",
+                                       (rank, rank, step, total), None)
+            if f.filter(record):
+                out.append(step)
+        return out
+
+    assert shown(0, 300) == [1, 31, 61, 91, 121, 151, 181, 211, 241, 271, 300]
+    assert shown(1, 5) == [1, 2, 3, 4, 5]
+    assert shown(0, 300, every_s=0.0) == list(range(1, 301))  # the time bound lets more through when slow
+    other = logging.LogRecord("x", logging.INFO, "", 0, "stage stage_1cpu done", None, None)
+    assert StepProgressFilter().filter(other)

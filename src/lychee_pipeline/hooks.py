@@ -43,6 +43,7 @@ class ProjectRootHooks:
             _reload_project_logging(root)
         plain_console_log_when_not_a_terminal()
         throttle_step_lines()
+        quiet_child_output()
         if left is not None:
             log.info("started in %s: working in the project root %s (every relative path is relative to it)",
                      left, root)
@@ -62,9 +63,35 @@ def _reload_project_logging(root: Path) -> None:
         log.warning("could not load %s: %s", config, exc)
 
 
+def _to_a_file() -> bool:
+    """stderr is a file or a pipe (not a terminal, not a notebook, which renders bars and rich itself)."""
+    return not sys.stderr.isatty() and "ipykernel" not in sys.modules
+
+
+# A transformers deprecation the stage processes trigger through a library property, not through project code.
+CHILD_WARNING_FILTERS = ("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning",)
+
+
+def quiet_child_output() -> None:
+    """Stage processes (they inherit this environment) skip a known library warning; in a log file, no
+    weight-loading progress bars (a bar redrawn in a file is one long line per update)."""
+    current = [f for f in os.environ.get("PYTHONWARNINGS", "").split(",") if f]
+    os.environ["PYTHONWARNINGS"] = ",".join(current + [f for f in CHILD_WARNING_FILTERS if f not in current])
+    if _to_a_file():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        try:
+            from huggingface_hub.utils import disable_progress_bars
+
+            disable_progress_bars()  # this process too (the evaluation loads the models here)
+            if "transformers" in sys.modules:  # it read the setting when it was imported
+                sys.modules["transformers"].utils.logging.disable_progress_bar()
+        except Exception:  # noqa: BLE001 - cosmetic
+            pass
+
+
 def plain_console_log_when_not_a_terminal() -> None:
     """Rich wraps its log at 80 columns when stderr is a file or a pipe: write plain, unwrapped lines there."""
-    if sys.stderr.isatty():
+    if not _to_a_file():
         return
     root = logging.getLogger()
     for handler in list(root.handlers):
@@ -120,6 +147,10 @@ def throttle_step_lines() -> None:
         relay.addFilter(STEP_FILTER)
 
 
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+DEFAULT_PIPELINE = "smoke"  # what pipeline_registry's __default__ runs
+
+
 class MlflowStoreHooks:
     """A copied project's sqlite store gets its artifact locations back inside the project."""
 
@@ -138,6 +169,25 @@ class MlflowStoreHooks:
         if old:
             log.info("the MLflow store was copied from %s: its artifact locations now point into %s/mlruns",
                      old, Path(context.project_path).resolve())
+        try:  # MLflow 3's UI opens an experiment of unknown kind in its GenAI view: this one holds training runs
+            client = mlflow.MlflowClient()
+            found = client.get_experiment_by_name(experiment)
+            if found is not None and found.tags.get(EXPERIMENT_KIND_TAG) is None:
+                client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not set the MLflow experiment's kind: %s", exc)
+
+    @hook_impl(trylast=True)  # after kedro-mlflow has started the run
+    def before_pipeline_run(self, run_params, pipeline, catalog) -> None:
+        """`kedro run` without --pipelines is recorded as `__default__`: name the run after the pipeline it ran."""
+        try:
+            import mlflow
+
+            run = mlflow.active_run()
+            if run is not None and run.info.run_name == "__default__":
+                mlflow.set_tag("mlflow.runName", DEFAULT_PIPELINE)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not name the MLflow run: %s", exc)
 
 
 class ParamsCheckHooks:
