@@ -101,6 +101,7 @@ def log_reranker_model(adapter_dir: str, base: str, artifact_name: str = "rerank
     """Log the fine-tuned reranker to the active MLflow run as a pyfunc model; returns its URI."""
     import json
     import tempfile
+    import warnings
     from pathlib import Path
 
     import mlflow
@@ -115,10 +116,14 @@ def log_reranker_model(adapter_dir: str, base: str, artifact_name: str = "rerank
         example = pd.DataFrame(
             [{"query_text": "red dress", "query_image": "", "doc_text": "a red cotton dress", "doc_image": ""}]
         )
-        info = mlflow.pyfunc.log_model(
-            name=artifact_name,
-            python_model=str(Path(__file__).with_name("mlflow_model.py")),
-            artifacts={"adapter": adapter_dir, "config": str(config)},
-            signature=infer_signature(example, [0.5]),
-        )
+        with warnings.catch_warnings():
+            # the signature is given: MLflow's advice to add an input example (it would load and run the model
+            # to check it) is not needed
+            warnings.filterwarnings("ignore", message=r".*An input example was not provided", category=UserWarning)
+            info = mlflow.pyfunc.log_model(
+                name=artifact_name,
+                python_model=str(Path(__file__).with_name("mlflow_model.py")),
+                artifacts={"adapter": adapter_dir, "config": str(config)},
+                signature=infer_signature(example, [0.5]),
+            )
     return info.model_uri
