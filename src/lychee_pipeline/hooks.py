@@ -79,6 +79,7 @@ def quiet_child_output() -> None:
     os.environ["PYTHONWARNINGS"] = ",".join(current + [f for f in CHILD_WARNING_FILTERS if f not in current])
     if _to_a_file():
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # "Generating train split" in the stages
         try:
             from huggingface_hub.utils import disable_progress_bars
 
