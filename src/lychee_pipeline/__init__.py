@@ -16,6 +16,8 @@ def quiet_library_warnings() -> None:
     """
     _warnings.filterwarnings("ignore", message=r"register_new_resolver\(\) is deprecated", category=UserWarning)
     _warnings.filterwarnings("ignore", message=r".*Add type hints to the `predict` method", category=UserWarning)
+    # transformers deprecated a property that libraries still read while they wrap the model (not project code)
+    _warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 
 quiet_library_warnings()
