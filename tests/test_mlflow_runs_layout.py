@@ -9,7 +9,7 @@ from lychee_pipeline.pipelines.reporting.nodes import log_run_to_mlflow, stage_t
 METRICS = {
     "test.mrr_at_10.base": 0.2, "test.mrr_at_10.stage_1cpu": 0.5, "test.mrr_at_10.finetuned": 0.5,
     "business.expected_ctr_at_10.stage_1cpu": 0.3, "scaling.stage_1cpu.pairs_per_s": 12.0,
-    "training.stage_1cpu.final_loss": 0.4, "scaling.stage_2cpu.pairs_per_s": 20.0,
+    "training.stage_1cpu.final_loss": 0.4, "scaling.stage_1cpu.mrr_at_10": 0.5, "scaling.stage_2cpu.pairs_per_s": 20.0,
 }
 
 

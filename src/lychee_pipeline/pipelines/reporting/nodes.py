@@ -20,7 +20,7 @@ def stage_training_metrics(evaluation_mlflow_metrics: dict[str, float], stage: s
     out = {}
     for key, value in evaluation_mlflow_metrics.items():
         parts = key.split(".")
-        if parts[0] in STAGE_RUN_PREFIXES and stage in parts:
+        if parts[0] in STAGE_RUN_PREFIXES and stage in parts and parts[-1] != "mrr_at_10":  # test figure: parent
             parts.remove(stage)
             out[".".join(parts)] = float(value)
     return out
