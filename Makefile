@@ -35,10 +35,10 @@ audit: install
 	$(BIN)/python -m pytest -q -m online tests/reliability/test_security.py
 
 smoke: install
-	$(BIN)/kedro run --pipeline smoke
+	$(BIN)/kedro run --pipelines smoke
 
 full: install
-	$(BIN)/kedro run --pipeline full --params gpus=$${GPUS:-4}
+	$(BIN)/kedro run --pipelines full --params gpus=$${GPUS:-4}
 
 test: install
 	$(BIN)/python -m pytest

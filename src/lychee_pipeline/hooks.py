@@ -17,12 +17,255 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import re
 import signal
+import sys
 import threading
+import time
+from pathlib import Path
+from typing import Any
 
 from kedro.framework.hooks import hook_impl
 
 log = logging.getLogger(__name__)
+
+PLAIN_LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+
+
+class ProjectRootHooks:
+    """Runs work in the project root, whichever folder `kedro run` started in (see `lychee_pipeline.project`)."""
+
+    @hook_impl(tryfirst=True)  # before kedro-mlflow resolves the tracking URI and creates the experiment
+    def after_context_created(self, context) -> None:
+        from lychee_pipeline import quiet_library_warnings
+        from lychee_pipeline.project import enter_project_root
+
+        quiet_library_warnings()
+        root, left = enter_project_root(context.project_path)
+        if left is not None:
+            _reload_project_logging(root)
+        plain_console_log_when_not_a_terminal()
+        throttle_step_lines()
+        quiet_child_output()
+        if left is not None:
+            log.info("started in %s: working in the project root %s (every relative path is relative to it)",
+                     left, root)
+
+
+def _reload_project_logging(root: Path) -> None:
+    """Kedro read `conf/logging.yml` relative to the folder it started in; read the project's own now."""
+    config = root / "conf" / "logging.yml"
+    if os.environ.get("KEDRO_LOGGING_CONFIG") or not config.is_file():
+        return
+    try:
+        import yaml
+        from kedro.framework.project import LOGGING
+
+        LOGGING.configure(yaml.safe_load(config.read_text(encoding="utf-8")))
+    except Exception as exc:  # noqa: BLE001 - logging set-up never stops a run
+        log.warning("could not load %s: %s", config, exc)
+
+
+def _to_a_file() -> bool:
+    """stderr is a file or a pipe (not a terminal, not a notebook, which renders bars and rich itself)."""
+    return not sys.stderr.isatty() and "ipykernel" not in sys.modules
+
+
+# A transformers deprecation the stage processes trigger through a library property, not through project code.
+CHILD_WARNING_FILTERS = ("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning",)
+
+
+def quiet_child_output() -> None:
+    """Stage processes (they inherit this environment) skip a known library warning; in a log file, no
+    weight-loading progress bars (a bar redrawn in a file is one long line per update)."""
+    current = [f for f in os.environ.get("PYTHONWARNINGS", "").split(",") if f]
+    os.environ["PYTHONWARNINGS"] = ",".join(current + [f for f in CHILD_WARNING_FILTERS if f not in current])
+    if _to_a_file():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # "Generating train split" in the stages
+        try:
+            from huggingface_hub.utils import disable_progress_bars
+
+            disable_progress_bars()  # this process too (the evaluation loads the models here)
+            if "transformers" in sys.modules:  # it read the setting when it was imported
+                sys.modules["transformers"].utils.logging.disable_progress_bar()
+        except Exception:  # noqa: BLE001 - cosmetic
+            pass
+
+
+def plain_console_log_when_not_a_terminal() -> None:
+    """Rich wraps its log at 80 columns when stderr is a file or a pipe: write plain, unwrapped lines there."""
+    if not _to_a_file():
+        return
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if type(handler).__name__ == "RichHandler":
+            plain = logging.StreamHandler(sys.stderr)
+            plain.setLevel(handler.level)
+            plain.setFormatter(logging.Formatter(PLAIN_LOG_FORMAT))
+            root.removeHandler(handler)
+            root.addHandler(plain)
+
+
+class StepProgressFilter(logging.Filter):
+    """Lets through a relayed training-step line at most every `every_steps` steps or `every_s` seconds.
+
+    `training/launch.py` relays every line of the stage processes to the log (and keeps all of them in the
+    stage's `launch.log`); one line per step made `full` logs of ~900 lines. Per rank, the first and the
+    last step always show, and otherwise a step only once `every_steps` (a tenth of the stage by default)
+    or `every_s` seconds have passed since the rank's last shown step. Other lines pass untouched.
+    """
+
+    STEP = re.compile(r"(\[rank (?P<rank>\d+)\].*?)?\bstep (?P<step>\d+)/(?P<total>\d+) loss ")
+
+    def __init__(self, every_steps: int | None = None, every_s: float = 30.0) -> None:
+        super().__init__()
+        self.every_steps, self.every_s = every_steps, every_s
+        self._last: dict[str, tuple[int, float]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        match = self.STEP.search(record.getMessage())
+        if match is None:
+            return True
+        step, total = int(match["step"]), int(match["total"])
+        rank = match["rank"] or "0"
+        now = time.monotonic()
+        every = self.every_steps or max(1, total // 10)
+        last_step, last_time = self._last.get(rank, (None, 0.0))
+        if last_step is not None and step < last_step:  # a new stage: start over
+            last_step = None
+        show = (last_step is None or step >= total or step - last_step >= every
+                or now - last_time >= self.every_s)
+        if show:
+            self._last[rank] = (step, now)
+        return show
+
+
+STEP_FILTER = StepProgressFilter()
+
+
+def throttle_step_lines() -> None:
+    """Install the step filter on the logger that relays the stage processes' output (once)."""
+    relay = logging.getLogger("lychee_pipeline.training.launch")
+    if STEP_FILTER not in relay.filters:
+        relay.addFilter(STEP_FILTER)
+
+
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+DEFAULT_PIPELINE = "smoke"  # what pipeline_registry's __default__ runs
+
+
+class MlflowStoreHooks:
+    """A copied project's sqlite store gets its artifact locations back inside the project."""
+
+    @hook_impl(trylast=True)  # after kedro-mlflow has set the tracking URI and the experiment
+    def after_context_created(self, context) -> None:
+        try:
+            import mlflow
+
+            from lychee_pipeline.project import relocate_mlflow_store
+
+            experiment = context.config_loader["mlflow"]["tracking"]["experiment"]["name"]
+            old = relocate_mlflow_store(mlflow.get_tracking_uri(), experiment, context.project_path)
+        except Exception as exc:  # noqa: BLE001 - tracking never stops a run
+            log.warning("could not check the MLflow store's artifact location: %s", exc)
+            return
+        if old:
+            log.info("the MLflow store was copied from %s: its artifact locations now point into %s/mlruns",
+                     old, Path(context.project_path).resolve())
+        try:  # MLflow 3's UI opens an experiment of unknown kind in its GenAI view: this one holds training runs
+            client = mlflow.MlflowClient()
+            found = client.get_experiment_by_name(experiment)
+            if found is not None and found.tags.get(EXPERIMENT_KIND_TAG) is None:
+                client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not set the MLflow experiment's kind: %s", exc)
+
+    @hook_impl(trylast=True)  # after kedro-mlflow has started the run
+    def before_pipeline_run(self, run_params, pipeline, catalog) -> None:
+        """`kedro run` without --pipelines is recorded as `__default__`: name the run after the pipeline it ran."""
+        try:
+            import mlflow
+
+            run = mlflow.active_run()
+            if run is not None and run.info.run_name == "__default__":
+                mlflow.set_tag("mlflow.runName", DEFAULT_PIPELINE)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not name the MLflow run: %s", exc)
+
+
+class ParamsCheckHooks:
+    """`--params` keys the chosen pipeline does not read are named in a warning, with the key it does read."""
+
+    def __init__(self) -> None:
+        self._context = None
+
+    @hook_impl
+    def after_context_created(self, context) -> None:
+        self._context = context
+
+    def _configured_parameters(self, catalog) -> dict:
+        """The parameters of conf/ alone (the catalog's `parameters` include the --params themselves)."""
+        try:
+            loader = self._context.config_loader
+            fresh = type(loader)(conf_source=loader.conf_source, env=loader.env, base_env=loader.base_env,
+                                 default_run_env=loader.default_run_env, config_patterns=loader.config_patterns)
+            return fresh["parameters"]
+        except Exception:  # noqa: BLE001 - fall back to the merged parameters
+            try:
+                return catalog.load("parameters")
+            except Exception:  # noqa: BLE001
+                return {}
+
+    @hook_impl
+    def before_pipeline_run(self, run_params, pipeline, catalog) -> None:
+        runtime = run_params.get("runtime_params") or {}
+        if not runtime:
+            return
+        parameters = self._configured_parameters(catalog)
+        names = run_params.get("pipeline_names") or [run_params.get("pipeline_name") or "__default__"]
+        names = [names] if isinstance(names, str) else names
+        for message in unread_params(runtime, parameters, pipeline.inputs(), "+".join(map(str, names))):
+            log.warning(message)
+
+
+def _flatten(values: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(values, dict) or not values:
+        return {prefix: values} if prefix else {}
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def unread_params(runtime: dict, parameters: dict, inputs: set[str], pipeline_name: str) -> list[str]:
+    """Warnings for the runtime parameters that no node of the pipeline reads (or that another key overrides)."""
+    read = {i[len("params:"):] for i in inputs if i.startswith("params:")}
+    if "parameters" in inputs:
+        return []
+    flat_params = _flatten(parameters)
+
+    def is_read(key: str) -> bool:
+        return any(key == r or key.startswith(r + ".") or r.startswith(key + ".") for r in read)
+
+    messages = []
+    for key in sorted(_flatten(runtime)):
+        if is_read(key):
+            if "smoke" in read and not key.startswith("smoke.") and f"smoke.{key}" in flat_params:
+                messages.append(
+                    f"--params {key} is not used by the {pipeline_name} pipeline: smoke.{key} "
+                    f"(= {flat_params[f'smoke.{key}']!r}) overrides it; set smoke.{key} instead")
+            continue
+        instead = [k for k in flat_params if k.endswith("." + key) and is_read(k)]
+        if instead:
+            messages.append(f"--params {key} is not read by the {pipeline_name} pipeline; it reads "
+                            + " or ".join(instead))
+        elif key in flat_params or any(k.startswith(key + ".") for k in flat_params):
+            messages.append(f"--params {key} is not read by the {pipeline_name} pipeline (no node of it takes it)")
+        else:
+            messages.append(f"--params {key} is not a parameter of this project (see conf/base/parameters_*.yml)")
+    return messages
 
 
 class RunOutcomeHooks:

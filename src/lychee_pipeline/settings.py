@@ -4,6 +4,11 @@ from pathlib import Path
 
 from kedro.config import OmegaConfigLoader
 
+from lychee_pipeline import quiet_library_warnings
+from lychee_pipeline.project import project_root
+
+quiet_library_warnings()
+
 CONFIG_LOADER_CLASS = OmegaConfigLoader
 CONFIG_LOADER_ARGS = {
     "base_env": "base",
@@ -12,11 +17,17 @@ CONFIG_LOADER_ARGS = {
         # kedro-mlflow reads conf/<env>/mlflow.yml through this pattern.
         "mlflow": ["mlflow*", "mlflow*/**"],
     },
-    # ${abspath:mlflow.db}: an absolute store path, so a process that opens two projects (a notebook, the
-    # tests) never reuses the first project's cached sqlite store for the second.
-    "custom_resolvers": {"abspath": lambda path: Path(path).resolve().as_posix()},
+    # ${abspath:mlflow.db}: an absolute store path in the project root (wherever `kedro run` started), so a
+    # process that opens two projects (a notebook, the tests) never reuses the first project's cached store.
+    "custom_resolvers": {"abspath": lambda path: (project_root() / Path(path)).resolve().as_posix()},
 }
 
-from lychee_pipeline.hooks import ParameterCheckHooks, RunOutcomeHooks  # noqa: E402
+from lychee_pipeline.hooks import (  # noqa: E402
+    MlflowStoreHooks,
+    ParameterCheckHooks,
+    ParamsCheckHooks,
+    ProjectRootHooks,
+    RunOutcomeHooks,
+)
 
-HOOKS = (ParameterCheckHooks(), RunOutcomeHooks())
+HOOKS = (ProjectRootHooks(), MlflowStoreHooks(), ParameterCheckHooks(), ParamsCheckHooks(), RunOutcomeHooks())

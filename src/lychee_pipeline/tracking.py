@@ -123,6 +123,7 @@ def log_reranker_model(
     image roots: see ``mlflow_model.py``)."""
     import json
     import tempfile
+    import warnings
     from pathlib import Path
 
     import mlflow
@@ -136,13 +137,17 @@ def log_reranker_model(
         config.write_text(json.dumps({**(serving or {}), "base": base}))
         # Any of the item columns may be empty; `task_type` (optional) is the record's, as in training.
         columns = [ColSpec("string", name) for name in ("query_text", "query_image", "doc_text", "doc_image")]
-        info = mlflow.pyfunc.log_model(
-            name=artifact_name,
-            python_model=str(Path(__file__).with_name("mlflow_model.py")),
-            artifacts={"adapter": adapter_dir, "config": str(config)},
-            signature=ModelSignature(inputs=Schema([*columns, ColSpec("string", "task_type", required=False)]),
-                                     outputs=Schema([ColSpec("double")])),
-            # Listed, not inferred: inference loads the model in a subprocess (about 30 s on a small CPU).
-            pip_requirements=model_requirements(),
-        )
+        with warnings.catch_warnings():
+            # the signature is given: MLflow's advice to add an input example (it would load and run the model
+            # to check it) is not needed
+            warnings.filterwarnings("ignore", message=r".*An input example was not provided", category=UserWarning)
+            info = mlflow.pyfunc.log_model(
+                name=artifact_name,
+                python_model=str(Path(__file__).with_name("mlflow_model.py")),
+                artifacts={"adapter": adapter_dir, "config": str(config)},
+                signature=ModelSignature(inputs=Schema([*columns, ColSpec("string", "task_type", required=False)]),
+                                         outputs=Schema([ColSpec("double")])),
+                # Listed, not inferred: inference loads the model in a subprocess (about 30 s on a small CPU).
+                pip_requirements=model_requirements(),
+            )
     return info.model_uri

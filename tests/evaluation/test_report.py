@@ -147,3 +147,32 @@ def test_learning_rate_plot_draws_one_line_per_stage():
     assert list(lines[0].get_ydata()) == [1e-4, 5e-5, 0.0]
     empty = plot_learning_rates({})
     assert not empty.axes[0].get_lines()
+
+
+def test_recall_at_k_is_called_trivial_when_no_query_has_more_than_k_candidates(document):
+    doc, _ = document
+    assert doc["ranking"]["max_candidates_per_query"] == 6
+    text = render_markdown(doc)
+    header = next(line for line in text.splitlines() if line.startswith("| model | queries"))
+    base_row = next(line for line in text.splitlines() if line.startswith("| base |"))
+    cells = dict(zip(header.split("|"), base_row.split("|")))
+    assert cells[" Recall@10 "].strip() == "trivial"          # 6 candidates: every relevant one is in the top 10
+    assert cells[" Recall@5 "].strip() not in {"trivial", "–"}  # 6 > 5: a real result
+    assert "Recall@10: every test query has at most 6 candidates" in text
+    assert "| Recall@10 | trivial | trivial | trivial | – | trivial |" in text
+
+
+def test_expected_purchases_units_are_explained(document):
+    text = render_markdown(document[0])
+    assert "`expected_purchases@k` is in the units of the documents' `purchased` field" in text
+
+
+def test_one_stage_has_no_scaling_plot(document):
+    doc, losses = document
+    one = json.loads(json.dumps(doc))
+    one["scaling"]["rows"] = one["scaling"]["rows"][:1]
+    plots = build_plots(one, losses)
+    assert "scaling.png" not in plots and set(plots) == set(PLOT_FILES) - {"scaling.png"}
+    text = render_markdown(one)
+    assert "(plots/scaling.png)" not in text and "No scaling plot: it needs stages on at least two" in text
+    assert "(plots/scaling.png)" in render_markdown(doc)

@@ -270,6 +270,8 @@ def evaluate_models(
         "base": base,
         "finetuned": compared[-1] if compared else None,
         "n_queries_without_positive": int(len(all_queries) - len(per_query[base])),
+        # Recall@k is 1 by construction for every k >= this: the report says so instead of showing it as a result
+        "max_candidates_per_query": int(tables[base].groupby("query_id").size().max()) if len(tables[base]) else 0,
         "models": {
             name: {
                 "overall": summarize(pq),

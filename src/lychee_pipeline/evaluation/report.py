@@ -159,6 +159,23 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     return lines
 
 
+def trivial_recalls(ranking: Mapping[str, Any]) -> list[str]:
+    """The Recall@k measures that are 1 for any model: every query has at most k candidates."""
+    most = ranking.get("max_candidates_per_query")
+    if not most:
+        return []
+    return [m for m in METRIC_NAMES if m.startswith("recall_at_") and int(m.rsplit("_", 1)[1]) >= most]
+
+
+def has_scaling_plot(scaling: Mapping[str, Any] | None) -> bool:
+    """A scaling plot needs stages on two device counts at least: one point has no slope to compare."""
+    return len({r.get("devices") for r in ((scaling or {}).get("rows") or [])}) >= 2
+
+
+def plot_files(document: Mapping[str, Any]) -> list[str]:
+    return [n for n in PLOT_FILES if n != "scaling.png" or has_scaling_plot(document.get("scaling"))]
+
+
 def render_markdown(document: Mapping[str, Any], plots_dir: str = "plots") -> str:
     """The human-readable report; plots are linked relative to the report's folder."""
     ranking = document.get("ranking") or {}
@@ -174,10 +191,20 @@ def render_markdown(document: Mapping[str, Any], plots_dir: str = "plots") -> st
         "## Ranking quality (test split)",
         "",
     ]
+    trivial = trivial_recalls(ranking)
+
+    def cell(metric: str, value: Any, digits: int = 4) -> str:
+        return "trivial" if metric in trivial else _fmt(value, digits)
+
     lines += _table(
         ["model", "queries"] + [METRIC_LABELS[m] for m in METRIC_NAMES],
-        [[m, f["overall"]["n_queries"]] + [_fmt(f["overall"][k]) for k in METRIC_NAMES] for m, f in models.items()],
+        [[m, f["overall"]["n_queries"]] + [cell(k, f["overall"][k]) for k in METRIC_NAMES] for m, f in models.items()],
     )
+    if trivial:
+        most = ranking.get("max_candidates_per_query")
+        lines += ["", f"{', '.join(METRIC_LABELS[m] for m in trivial)}: every test query has at most {most} "
+                  "candidates, so every relevant candidate is always in the top k and the recall is 1.0 for any "
+                  "model; it says nothing here (shown as *trivial*). Compare MRR@10, NDCG@10 and MAP instead."]
     if ranking.get("n_queries_without_positive"):
         lines += ["", f"{ranking['n_queries_without_positive']} test queries had no relevant candidate and were left out."]
     for model, comparison in (ranking.get("comparisons") or {}).items():
@@ -185,8 +212,9 @@ def render_markdown(document: Mapping[str, Any], plots_dir: str = "plots") -> st
         lines += ["", f"### `{model}` vs `{base}` (paired over queries)", ""]
         lines += _table(
             ["measure", "base", "fine-tuned", "difference", f"{100 * level:.0f}% CI of difference", "p-value"],
-            [[METRIC_LABELS[k], _fmt(r["base"]), _fmt(r["finetuned"]), _fmt(r["diff"]),
-              f"[{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}]", _fmt(r["p_value"], 4)] for k, r in comparison.items()],
+            [[METRIC_LABELS[k], cell(k, r["base"]), cell(k, r["finetuned"]), cell(k, r["diff"]),
+              "–" if k in trivial else f"[{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}]",
+              cell(k, r["p_value"])] for k, r in comparison.items()],
         )
     for attr, title in (("task_type", "task type"), ("language", "query language")):
         groups = sorted({g for f in models.values() for g in (f.get(f"by_{attr}") or {})})
@@ -217,6 +245,12 @@ def render_markdown(document: Mapping[str, Any], plots_dir: str = "plots") -> st
               (f"{100 * r['uplift_rel']:+.1f}%" if _num(r["uplift_rel"]) is not None else "–")]
              for k, r in business["comparison"].items()],
         )
+        if any(k.startswith("expected_purchases") for k in business["comparison"]):
+            lines += ["", "`expected_purchases@k` is in the units of the documents' `purchased` field, summed over "
+                      "the top k with each position's examination probability and averaged over queries: with 0/1 "
+                      "flags it is the expected number of purchased items a user of one query sees in the top k; "
+                      "with counts (the demo data: historical purchases per product) it is an examination-weighted "
+                      "count per query, to compare models with, not a forecast of sales."]
     scaling = document.get("scaling") or {}
     lines += ["", "## Scaling", ""]
     if scaling.get("rows"):
@@ -245,7 +279,9 @@ def render_markdown(document: Mapping[str, Any], plots_dir: str = "plots") -> st
         lines += _table(["stage", "points", "first loss", "final loss"],
                         [[s, t["n_points"], _fmt(t["first_loss"]), _fmt(t["final_loss"])] for s, t in training.items()])
     lines += ["", "## Plots", ""]
-    lines += [f"![{name[:-4]}]({plots_dir}/{name})" for name in PLOT_FILES]
+    lines += [f"![{name[:-4]}]({plots_dir}/{name})" for name in plot_files(document)]
+    if "scaling.png" not in plot_files(document):
+        lines += ["", "No scaling plot: it needs stages on at least two device counts."]
     return "\n".join(lines) + "\n"
 
 
@@ -374,7 +410,7 @@ def build_plots(
         "learning_rates.png": plot_learning_rates(stage_learning_rates or {}),
         "metric_bars.png": plot_metric_bars(ranking),
         "task_type_bars.png": plot_task_type_bars(ranking),
-        "scaling.png": plot_scaling(document.get("scaling")),
+        **({"scaling.png": plot_scaling(document.get("scaling"))} if has_scaling_plot(document.get("scaling")) else {}),
     }
 
 

@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 log = logging.getLogger("lychee_pipeline.evaluation.score_shards")
 
 SLICE = 1024  # pairs handed to score_pairs at once: large enough for its length sorting to pay off
+PROGRESS_EVERY_S = 20.0  # a progress line this often while scoring, when the output is a file
 PAIR_SCHEMA = pa.schema([("query_text", pa.string()), ("query_image", pa.string()),
                          ("doc_text", pa.string()), ("doc_image", pa.string()), ("instruction", pa.string())])
 
@@ -70,13 +71,26 @@ def read_scores(path: Path | str) -> list[float]:
 
 
 def score_pairs_in_slices(reranker: Any, pairs: Sequence[Any], progress: str | None = None) -> list[float]:
-    """``reranker.score_pairs`` over large slices (its length sorting works inside each slice)."""
+    """``reranker.score_pairs`` over large slices (its length sorting works inside each slice).
+
+    With ``progress``: a bar on a terminal; when the output is a file, a log line every
+    ``PROGRESS_EVERY_S`` seconds instead (and at the end).
+    """
     from tqdm.auto import tqdm
 
     values: list[float] = []
     starts = range(0, len(pairs), SLICE)
-    for start in tqdm(starts, desc=progress or "scoring", unit="slice", disable=None if progress else True):
+    bar = tqdm(starts, desc=progress or "scoring", unit="slice", disable=None if progress else True)
+    started = last = time.monotonic()
+    for start in bar:
         values.extend(reranker.score_pairs(pairs[start : start + SLICE]))
+        now = time.monotonic()
+        if progress and bar.disable and (now - last >= PROGRESS_EVERY_S or len(values) == len(pairs)):
+            elapsed = now - started
+            log.info("%s: %d/%d pairs (%.0f%%) in %.0f s, ETA %.0f s", progress, len(values), len(pairs),
+                     100 * len(values) / max(1, len(pairs)), elapsed,
+                     elapsed / max(1, len(values)) * (len(pairs) - len(values)))
+            last = now
     if len(values) != len(pairs):
         raise RuntimeError(f"{len(values)} scores for {len(pairs)} pairs")
     return values

@@ -69,9 +69,10 @@ def test_smoke_subset_is_deterministic_and_sized(caplog):
     assert a.num_rows == 50 and a.equals(make_smoke_subset(train, 50, SPLIT))
     assert set(a.column("record_id").to_pylist()) <= set(train.column("record_id").to_pylist())
     assert not a.equals(make_smoke_subset(train, 50, {**SPLIT, "seed": 1}))
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         everything = make_smoke_subset(train, 5000, SPLIT)
-    assert everything.num_rows == 300 and "only 300 training records" in caplog.text
+    assert everything.num_rows == 300 and "all 300 training records" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # expected with small data: no warning
 
 
 def test_collect_data_counts():

@@ -18,6 +18,7 @@ from lychee_pipeline.pipelines.image_normalization.images import (
     check_image_task,
     stat_key,
 )
+from lychee_pipeline.project import stored_path
 from lychee_pipeline.schema import MANIFEST_SCHEMA, MODEL_INPUT_SCHEMA, QUARANTINE_SCHEMA, REMOVED_NEGATIVE_SCHEMA
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,8 @@ def check_images(
     workers = int(image_check.get("workers", 2))
     max_ratio = float(image_check.get("max_aspect_ratio", MAX_ASPECT_RATIO))
     resolver = Resolver(raw_source["image_roots"])
-    paths = sorted({p for p in (resolver.resolve(r)[0] for r in image_refs(ingested_records)) if p})
+    # stored relative to the project root when inside it: a moved project reuses its manifest and its stages
+    paths = sorted({stored_path(p) for p in (resolver.resolve(r)[0] for r in image_refs(ingested_records)) if p})
     previous: dict[str, dict[str, Any]] = {}
     if previous_manifest is not None and previous_manifest.num_rows:
         if set(MANIFEST_SCHEMA.names) <= set(previous_manifest.column_names):  # older layouts: check again
@@ -81,13 +83,15 @@ def check_images(
 
 
 def _fix(item: dict[str, Any], resolver: Resolver, status: dict[str, str | None]) -> str | None:
-    """Replace ``item['image']`` by its absolute path; return the reason when it is unusable."""
+    """Replace ``item['image']`` by its checked path (relative to the project root when inside it, else
+    absolute); return the reason when it is unusable."""
     ref = item.get("image")
     if ref is None:
         return None
     path, reason = resolver.resolve(ref)
     if path is None:
         return reason
+    path = stored_path(path)
     if path not in status:
         return f"image not in the manifest: {ref}"
     if status[path] is not None:

@@ -12,6 +12,20 @@ def _numeric(metrics: dict[str, Any], prefix: str) -> dict[str, float]:
     return {f"{prefix}.{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
+STAGE_RUN_PREFIXES = ("scaling", "training")
+
+
+def stage_training_metrics(evaluation_mlflow_metrics: dict[str, float], stage: str) -> dict[str, float]:
+    """`scaling.<stage>.pairs_per_s` -> `scaling.pairs_per_s`, ...: a stage run's training figures only."""
+    out = {}
+    for key, value in evaluation_mlflow_metrics.items():
+        parts = key.split(".")
+        if parts[0] in STAGE_RUN_PREFIXES and stage in parts and parts[-1] != "mrr_at_10":  # test figure: parent
+            parts.remove(stage)
+            out[".".join(parts)] = float(value)
+    return out
+
+
 def log_run_to_mlflow(
     evaluation_mlflow_metrics: dict[str, float], data_counts: dict[str, Any], stage_results: list[dict], model: dict,
     serving_config: dict[str, Any] | None = None,
@@ -31,13 +45,11 @@ def log_run_to_mlflow(
         mlflow.log_metrics(metrics)
         logged["metrics"] = len(metrics)
         client = mlflow.MlflowClient()
-        for result in stage_results:  # the stage's own figures on its nested run, so the compare view lines stages up
+        for result in stage_results:  # the stage's own training figures on its nested run (scaling.<stage>.*,
+            # training.<stage>.*); test and business metrics stay on the parent run only, one place for them
             if result.get("mlflow_run_id"):
-                for key, value in evaluation_mlflow_metrics.items():
-                    parts = key.split(".")
-                    if result["stage"] in parts:
-                        parts.remove(result["stage"])
-                        client.log_metric(result["mlflow_run_id"], ".".join(parts), float(value))
+                for key, value in stage_training_metrics(evaluation_mlflow_metrics, result["stage"]).items():
+                    client.log_metric(result["mlflow_run_id"], key, value)
         final = stage_results[-1] if stage_results else None
         if final is not None:
             from lychee_pipeline.tracking import log_reranker_model

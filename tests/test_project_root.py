@@ -1,0 +1,198 @@
+"""One project, one place (issue 19, points 2-4): `kedro run` from a subfolder works in the project root, a
+copied project writes only inside itself, and `--params` keys the pipeline does not read are named.
+
+Real `kedro run` processes (the CLI, as a user types it) on a small demo catalogue and a 4-step smoke stage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from project_runs import REPO, make_project_copy
+
+SMALL = ("demo_data.n_products=80,demo_data.n_records=400,data_processing.ingestion.workers=1,"
+         "data_processing.image_check.workers=1,smoke.training.max_steps=4,smoke.training.checkpoint_every=2,"
+         "evaluation.max_queries=8,evaluation.significance.resamples=200")
+
+
+def _project(root: Path) -> Path:
+    project = make_project_copy(root)
+    shutil.rmtree(project / "src")  # kedro puts <project>/src first on sys.path: the copy runs this checkout
+    shutil.copytree(REPO / "src", project / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    (project / "notebooks").mkdir()
+    shutil.copy2(REPO / "notebooks" / "01_explore_data_and_results.ipynb", project / "notebooks")
+    return project
+
+
+def kedro_run(cwd: Path, *args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING")}
+    env.update(KEDRO_DISABLE_TELEMETRY="1", MLFLOW_DISABLE_TELEMETRY="1", DO_NOT_TRACK="1",
+               TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, "-m", "kedro", "run", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"kedro run {' '.join(args)} failed ({proc.returncode}):\n{out[-8000:]}"
+    return out
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int]]:
+    return {p.relative_to(root).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+
+
+def _store(root: Path) -> tuple[list, list]:
+    with sqlite3.connect(root / "mlflow.db") as conn:
+        experiments = conn.execute("SELECT name, artifact_location FROM experiments").fetchall()
+        runs = conn.execute("SELECT name, status, artifact_uri FROM runs").fetchall()
+    return experiments, runs
+
+
+@pytest.fixture(scope="module")
+def project_a(tmp_path_factory) -> dict:
+    """`kedro run --pipelines smoke` started in notebooks/ of a fresh project copy."""
+    project = _project(tmp_path_factory.mktemp("copies") / "A")
+    log = kedro_run(project / "notebooks", "--pipelines", "smoke", "--params", SMALL)
+    return {"path": project, "log": log}
+
+
+def test_run_from_a_subfolder_writes_into_the_project_root(project_a):
+    root, log = project_a["path"], project_a["log"]
+    assert f"working in the project root {root}" in log
+    assert sorted(p.name for p in (root / "notebooks").iterdir()) == ["01_explore_data_and_results.ipynb"]
+    assert (root / "mlflow.db").is_file() and (root / "mlruns").is_dir() and (root / "info.log").is_file()
+    assert (root / "data/01_raw/demo/records.jsonl").is_file()
+    assert (root / "data/06_models/builtin_tiny").is_dir()
+    assert (root / "data/06_models/runs/smoke/stage_1cpu_final/result.json").is_file()
+    experiments, runs = _store(root)
+    assert dict(experiments)["lychee_pipeline"] == (root / "mlruns").as_posix() + "/1"
+    assert {name for name, status, _ in runs} >= {"smoke", "stage_1cpu_final"}
+    assert all(status == "FINISHED" for _, status, _ in runs)
+    assert all(uri.startswith((root / "mlruns").as_posix() + "/") for _, _, uri in runs)
+    assert (root / "data/08_reporting/evaluation_report.md").is_file()
+
+
+def test_stored_image_paths_are_relative_to_the_project_root(project_a):
+    import pyarrow.parquet as pq
+
+    root = project_a["path"]
+    paths = pq.read_table(root / "data/02_intermediate/image_manifest.parquet").column("path").to_pylist()
+    assert paths and all(p.startswith("data/01_raw/demo/images/") for p in paths), paths[:3]
+    records = pq.read_table(root / "data/03_primary/normalized_records.parquet").to_pylist()
+    images = [d["image"] for r in records for d in [r["query"], *r["positives"], *r["negatives"]] if d["image"]]
+    assert images and not any(Path(p).is_absolute() for p in images)
+
+
+def test_a_copied_project_writes_only_inside_itself(project_a, tmp_path):
+    a = project_a["path"]
+    b = tmp_path / "B"
+    shutil.copytree(a, b, symlinks=True)  # as `cp -a` or a move: contents and mtimes
+    before = _tree(a)
+    log = kedro_run(b, "--pipelines", "smoke", "--params", SMALL)
+    assert _tree(a) == before, "the run in the copy changed files of the original"
+    assert f"the MLflow store was copied from {a}" in log
+    experiments, runs = _store(b)
+    assert dict(experiments)["lychee_pipeline"] == (b / "mlruns").as_posix() + "/1"
+    assert all(uri.startswith((b / "mlruns").as_posix() + "/") for _, _, uri in runs), runs
+    assert len(runs) == 3  # 2 copied from A (parent, stage) and the new parent: the stage is reused
+    # nothing is redone: the images and the finished stage of A are reused in B
+    assert "0 to check" in log and "reusing the finished result" in log, log[-5000:]
+    summary = json.loads((b / "data/08_reporting/run_summary.json").read_text())
+    assert str(a) not in json.dumps(summary)
+
+
+def test_relocation_leaves_a_chosen_artifact_location_alone(tmp_path):
+    from lychee_pipeline.project import relocate_mlflow_store
+
+    db = tmp_path / "mlflow.db"
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE experiments (experiment_id INTEGER, name TEXT, artifact_location TEXT)")
+        conn.execute("CREATE TABLE runs (run_uuid TEXT, artifact_uri TEXT)")
+        conn.execute("INSERT INTO experiments VALUES (1, 'lychee_pipeline', 's3://bucket/mlruns/1')")
+        conn.execute("INSERT INTO experiments VALUES (2, 'other', '/old/clone/mlruns/2')")
+    assert relocate_mlflow_store(f"sqlite:///{db}", "lychee_pipeline", tmp_path) is None
+    assert relocate_mlflow_store(f"sqlite:///{db}", "other", tmp_path) == "/old/clone"
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT artifact_location FROM experiments ORDER BY experiment_id").fetchall() == [
+            ("s3://bucket/mlruns/1",), (f"{tmp_path.resolve()}/mlruns/2",)]
+
+
+def _params_and_pipelines():
+    from kedro.config import OmegaConfigLoader
+    from kedro.framework.project import pipelines
+    from kedro.framework.startup import bootstrap_project
+
+    bootstrap_project(REPO)
+    params = OmegaConfigLoader(str(REPO / "conf"), base_env="base", default_run_env="local")["parameters"]
+    return params, pipelines
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "key", "expected"),
+    [
+        ("smoke", "training.learning_rate",
+         "--params training.learning_rate is not used by the smoke pipeline: smoke.training.learning_rate"),
+        ("smoke", "training.max_steps", "set smoke.training.max_steps instead"),
+        ("full", "smoke.training.max_steps", "--params smoke.training.max_steps is not read by the full pipeline"),
+        ("evaluation", "training.learning_rate", "is not read by the evaluation pipeline"),
+        ("full", "trainng.learning_rate", "trainng.learning_rate is not a parameter of this project"),
+        ("data", "max_queries", "it reads evaluation.max_queries"),
+    ],
+)
+def test_params_the_pipeline_does_not_read_are_named(pipeline, key, expected):
+    from lychee_pipeline.hooks import unread_params
+
+    params, pipelines = _params_and_pipelines()
+    if pipeline == "data":  # a key only another pipeline reads: the message names where it lives
+        pipeline = "full"
+    messages = unread_params({key: 1}, params, pipelines[pipeline].inputs(), pipeline)
+    assert len(messages) == 1 and expected in messages[0], messages
+
+
+@pytest.mark.parametrize("key", ["training.learning_rate", "gpus", "evaluation.max_queries", "model.name_or_path"])
+def test_params_the_full_pipeline_reads_give_no_warning(key):
+    from lychee_pipeline.hooks import unread_params
+
+    params, pipelines = _params_and_pipelines()
+    assert unread_params({key: 1}, params, pipelines["full"].inputs(), "full") == []
+
+
+def test_the_log_in_a_file_is_plain_short_and_free_of_library_notices(project_a):
+    log = project_a["log"]
+    lines = log.splitlines()
+    after_start = lines[next(i for i, x in enumerate(lines) if "working in the project root" in x):]
+    # whole lines, not Rich's 80-column layout: a long message stays on its line
+    assert any("Pipeline execution completed successfully" in x and " INFO " in x for x in after_start)
+    assert not [x for x in after_start if x.startswith(" " * 20)], "wrapped continuation lines in the file log"
+    for notice in ("register_new_resolver", "is_gradient_checkpointing", "Loading weights"):
+        assert notice not in log, notice
+    steps = [x for x in lines if "] step " in x and " loss " in x]
+    assert 2 <= len(steps) <= 12, steps  # first, last and at most every tenth / 30 s, not one line per step
+
+
+def test_step_lines_are_throttled_per_rank():
+    import logging
+
+    from lychee_pipeline.hooks import StepProgressFilter
+
+    def shown(rank: int, total: int, every_s: float = 3600.0) -> list[int]:
+        f, out = StepProgressFilter(every_s=every_s), []
+        for step in range(1, total + 1):
+            record = logging.LogRecord("x", logging.INFO, "", 0, "[default%d]:[rank %d] step %d/%d loss 0.5 lr 1e-3",
+                                       (rank, rank, step, total), None)
+            if f.filter(record):
+                out.append(step)
+        return out
+
+    assert shown(0, 300) == [1, 31, 61, 91, 121, 151, 181, 211, 241, 271, 300]
+    assert shown(1, 5) == [1, 2, 3, 4, 5]
+    assert shown(0, 300, every_s=0.0) == list(range(1, 301))  # the time bound lets more through when slow
+    other = logging.LogRecord("x", logging.INFO, "", 0, "stage stage_1cpu done", None, None)
+    assert StepProgressFilter().filter(other)
