@@ -62,6 +62,7 @@ class MiningParams(BaseModel):
     bm25_k: int = 50
     image_k: int = 20
     hash_size: int = 8
+    image_workers: int = 2
     rescore_top: int = 30
     rank_window: tuple[int, int] = (3, 30)
     relative_margin: float = 0.95
@@ -87,8 +88,8 @@ class MiningParams(BaseModel):
         for name in ("bm25_k", "image_k", "n_mined", "n_random", "near_duplicate_distance", "near_duplicate_colour"):
             if getattr(self, name) < 0:
                 raise ValueError(f"mining.{name} must be >= 0")
-        if self.rescore_top < 1 or self.batch_queries < 1 or self.hash_size < 2:
-            raise ValueError("mining.rescore_top and batch_queries must be >= 1, hash_size >= 2")
+        if self.rescore_top < 1 or self.batch_queries < 1 or self.hash_size < 2 or self.image_workers < 1:
+            raise ValueError("mining.rescore_top, batch_queries and image_workers must be >= 1, hash_size >= 2")
         if not 0 < self.relative_margin:
             raise ValueError("mining.relative_margin must be > 0 (1.0 drops candidates scored above the positive)")
         return self
@@ -140,7 +141,18 @@ def model_key(model: str, adapter: str | None, reranker: Mapping[str, Any], inst
     return json.dumps([model, adapter, budget, instruction, stamps], sort_keys=True, default=str)
 
 
-def _signatures(paths: Sequence[str], cache: MiningCache, hash_size: int, progress: bool):
+def _signature_chunk(paths: Sequence[str], hash_size: int) -> tuple[dict, dict[str, str]]:
+    """Signatures of some paths, and why the others failed (runs in a worker process)."""
+    done, failed = {}, {}
+    for path in paths:
+        try:
+            done[path] = image_signature(path, hash_size)
+        except Exception as exc:  # noqa: BLE001 - a doc image that cannot be hashed is only not an image candidate
+            failed[path] = f"{type(exc).__name__}: {exc}"
+    return done, failed
+
+
+def _signatures(paths: Sequence[str], cache: MiningCache, hash_size: int, progress: bool, workers: int = 1):
     """pHash and mean colour of every path (cached; unreadable files are left out)."""
     unique = sorted(set(p for p in paths if p))
     found = cache.get_images(unique, hash_size)
@@ -148,15 +160,29 @@ def _signatures(paths: Sequence[str], cache: MiningCache, hash_size: int, progre
     if missing:
         from tqdm.auto import tqdm
 
-        new = {}
-        for p in tqdm(missing, desc="mining: image hashes", disable=not progress, mininterval=5):
-            try:
-                new[p] = image_signature(p, hash_size)
-            except Exception as exc:  # noqa: BLE001 - a doc image that cannot be hashed is only not an image candidate
-                log.warning("mining: no image hash for %s: %s", p, exc)
-        cache.put_images(new, hash_size)
-        found.update(new)
+        chunks = [missing[i : i + 256] for i in range(0, len(missing), 256)]
+        bar = tqdm(total=len(missing), desc="mining: image hashes", disable=not progress, mininterval=5)
+        if workers > 1 and len(chunks) > 1:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+                results = pool.map(_signature_chunk, chunks, [hash_size] * len(chunks))
+                for done, failed in results:
+                    _keep_signatures(done, failed, cache, hash_size, found, bar)
+        else:
+            for chunk in chunks:
+                _keep_signatures(*_signature_chunk(chunk, hash_size), cache, hash_size, found, bar)
+        bar.close()
     return found, len(missing)
+
+
+def _keep_signatures(done, failed, cache: MiningCache, hash_size: int, found: dict, bar) -> None:
+    for path, reason in failed.items():
+        log.warning("mining: no image hash for %s: %s", path, reason)
+    cache.put_images(done, hash_size)  # kept as they come: an interrupted first run resumes from here
+    found.update(done)
+    bar.update(len(done) + len(failed))
 
 
 def _near_image(a, b, params: MiningParams) -> int | None:
@@ -263,7 +289,8 @@ def mine_table(
     with MiningCache(p.cache_path) as cache:
         t0 = time.perf_counter()
         query_images = table.column("query").combine_chunks().field("image").to_pylist() if table.num_rows else []
-        sigs, hashed = _signatures([d.image for d in pool.docs] + query_images, cache, p.hash_size, p.progress)
+        sigs, hashed = _signatures([d.image for d in pool.docs] + query_images, cache, p.hash_size, p.progress,
+                                   p.image_workers)
         counts["images_hashed"] = hashed
         text_index = TextIndex([d.text for d in pool.docs])
         with_image = [i for i, d in enumerate(pool.docs) if d.image in sigs]
@@ -406,7 +433,10 @@ def score_histogram(scores: Mapping[str, Sequence[float]]):
 
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
-    bins = np.linspace(0.0, 1.0, 41)
+    values_all = [v for name in ("positive", "mined", "random") for v in scores.get(name) or []]
+    lo, hi = (min(values_all), max(values_all)) if values_all else (0.0, 1.0)
+    pad = max((hi - lo) * 0.02, 1e-4)
+    bins = np.linspace(max(lo - pad, 0.0), min(hi + pad, 1.0), 41)  # the scores' own range: an untrained model's are all near 0.5
     for name, colour in (("positive", "tab:green"), ("mined", "tab:red"), ("random", "tab:blue")):
         values = list(scores.get(name) or [])
         if values:

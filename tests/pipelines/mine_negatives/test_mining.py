@@ -306,3 +306,24 @@ def test_mining_sits_between_split_and_training_on_the_train_split_only():
             if "training" in node.tags:
                 assert not {"train_records", "smoke_train_records", "val_records", "test_records"} & set(node.inputs)
     assert BASE_PARAMS["enabled"] is False and BASE_PARAMS["smoke_enabled"] is False
+
+
+def test_image_hashes_in_worker_processes_equal_serial_and_are_cached(tmp_path):
+    from lychee_pipeline.mining.cache import MiningCache
+    from lychee_pipeline.mining.mine import _signatures
+
+    rng = np.random.default_rng(0)
+    paths = []
+    for i in range(300):  # more than one chunk of 256
+        path = tmp_path / f"{i}.png"
+        Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).resize((32, 32)).save(path)
+        paths.append(str(path))
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    paths.append(str(tmp_path / "broken.png"))
+    with MiningCache(None) as serial_cache:
+        serial, n = _signatures(paths, serial_cache, 8, progress=False, workers=1)
+    with MiningCache(tmp_path / "cache.sqlite") as cache:
+        parallel, n_parallel = _signatures(paths, cache, 8, progress=False, workers=2)
+        again, n_again = _signatures(paths, cache, 8, progress=False, workers=2)
+    assert serial == parallel == again and len(serial) == 300 and str(tmp_path / "broken.png") not in serial
+    assert n == n_parallel == 301 and n_again == 1  # only the unreadable file is tried again
