@@ -53,8 +53,12 @@ class TextIndex:
         import scipy.sparse as sp
 
         self.n_docs = len(texts)
+        corpus = [tokenize(t) for t in texts]
+        if not any(corpus):  # no document has text: an empty index, every search finds nothing
+            self.vocab, self.matrix = {}, sp.csr_matrix((0, self.n_docs), dtype=np.float32)
+            return
         retriever = bm25s.BM25(method="lucene")
-        retriever.index([tokenize(t) for t in texts], show_progress=False)
+        retriever.index(corpus, show_progress=False)
         s = retriever.scores
         self.vocab: dict[str, int] = retriever.vocab_dict
         self.matrix = sp.csr_matrix((s["data"], s["indices"], s["indptr"]),

@@ -246,6 +246,10 @@ class _Scorer:
     def __init__(self, factory: Callable[[], Any], cache: MiningCache, key: str, instruction: str | None, progress: bool):
         self.factory, self.cache, self.key, self.instruction, self.progress = factory, cache, key, instruction, progress
         self.reranker = None
+        self.chunk = 1024
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(desc="mining: rescoring pairs", unit="pair", disable=not progress, mininterval=10)
         self.pairs = self.scored = self.hits = 0  # pairs asked, scored by the model (unique), found in the cache
         self.seconds = 0.0
 
@@ -260,13 +264,15 @@ class _Scorer:
                 self.reranker = self.factory()
             first = {k: i for i, k in reversed(list(enumerate(keys)))}
             batch = [pairs[first[k]] + ((self.instruction,) if self.instruction else ()) for k in todo]
-            t0 = time.perf_counter()
-            scores = self.reranker.score_pairs(batch)
-            self.seconds += time.perf_counter() - t0
-            self.scored += len(todo)
-            new = dict(zip(todo, (float(s) for s in scores)))
-            self.cache.put_scores(new.items())
-            found.update(new)
+            for start in range(0, len(todo), self.chunk):  # cached chunk by chunk: an interrupted run resumes
+                t0 = time.perf_counter()
+                scores = self.reranker.score_pairs(batch[start : start + self.chunk])
+                self.seconds += time.perf_counter() - t0
+                new = dict(zip(todo[start : start + self.chunk], (float(x) for x in scores)))
+                self.cache.put_scores(new.items())
+                found.update(new)
+                self.scored += len(new)
+                self.bar.update(len(new))
         return [found[k] for k in keys]
 
 
@@ -282,6 +288,9 @@ def mine_table(
     file_stamp.cache_clear()
     t_start = time.perf_counter()
     counts: dict[str, Any] = {"queries": table.num_rows}
+    if table.num_rows == 0:
+        return MiningResult(table.cast(MODEL_INPUT_SCHEMA), {**counts, "documents": 0, "mined": 0, "random": 0},
+                            LOG_SCHEMA.empty_table(), {})
     pool = _Pool(table)
     counts["documents"] = len(pool.docs)
     from tqdm.auto import tqdm
@@ -402,6 +411,7 @@ def mine_table(
             out_batches.append(pa.RecordBatch.from_pylist(out_rows, schema=MODEL_INPUT_SCHEMA))
             bar.update(len(rows))
         bar.close()
+        scorer.bar.close()
 
     counts.update(n)
     counts.update({

@@ -327,3 +327,12 @@ def test_image_hashes_in_worker_processes_equal_serial_and_are_cached(tmp_path):
         again, n_again = _signatures(paths, cache, 8, progress=False, workers=2)
     assert serial == parallel == again and len(serial) == 300 and str(tmp_path / "broken.png") not in serial
     assert n == n_parallel == 301 and n_again == 1  # only the unreadable file is tried again
+
+
+def test_edge_cases_empty_table_and_documents_without_text():
+    def no_model():
+        raise AssertionError("nothing to score")
+
+    empty = mine_table(MODEL_INPUT_SCHEMA.empty_table(), {"cache_path": None, "progress": False}, no_model, "k")
+    assert empty.table.num_rows == 0 and empty.counts["mined"] == 0
+    assert TextIndex([None, "", "!!"]).search(["red dress"], k=5) == [[]]
