@@ -70,6 +70,7 @@ class MiningParams(BaseModel):
     near_duplicate_colour: int = 6
     n_mined: int = 4
     n_random: int = 3
+    fill_with_random: bool = True
     seed: int = 0
     batch_queries: int = 512
     cache_path: str | None = "data/04_feature/mining_cache.sqlite"
@@ -230,6 +231,23 @@ def select_negatives(
     return out
 
 
+def _draw_random(pool: _Pool, sigs: dict, p: MiningParams, rng: random.Random, k: int, chosen: set[int],
+                 pos_texts: set[str], pos_sigs: list) -> list[int]:
+    """Up to ``k`` random documents not in ``chosen`` (which grows), never a positive's text or image copy."""
+    out: list[int] = []
+    tried = 0
+    while len(out) < k and tried < 20 * k and len(pool.docs) > len(chosen):
+        tried += 1
+        d = rng.randrange(len(pool.docs))
+        if d in chosen or pool.norm_text[d] in pos_texts:
+            continue
+        if any(_near_image(sigs.get(pool.docs[d].image), s, p) is not None for s in pos_sigs):
+            continue
+        chosen.add(d)
+        out.append(d)
+    return out
+
+
 def _with_mining_meta(meta: str | None, mark: dict[str, Any]) -> str:
     try:
         base = json.loads(meta) if meta else {}
@@ -311,7 +329,7 @@ def mine_table(
         log_rows: list[dict[str, Any]] = []
         scores: dict[str, list[float]] = {"positive": [], "mined": [], "random": [], "candidate": []}
         n = {"candidates": 0, "rescored_candidates": 0, "false_negatives": 0, "fn_same_text": 0, "fn_near_image": 0,
-             "fn_margin": 0, "mined": 0, "random": 0, "queries_short": 0, "queries_without_candidates": 0}
+             "fn_margin": 0, "mined": 0, "random": 0, "random_fill": 0, "queries_short": 0, "queries_without_candidates": 0}
         t_first = 0.0
         bar = tqdm(total=table.num_rows, desc="mining negatives", disable=not p.progress, mininterval=5)
         for start in range(0, table.num_rows, p.batch_queries):
@@ -341,28 +359,17 @@ def mine_table(
                 pos_sigs = [s for s in pos_sigs if s is not None]
                 pos_texts = {normalize_text(d.get("text")) for d in r["positives"]} - {""}
                 rng = _rng(p.seed, r["record_id"])
-                randoms: list[int] = []
-                if p.n_random:
-                    tried = 0
-                    chosen = set(cands)
-                    while len(randoms) < p.n_random and tried < 20 * p.n_random and len(pool.docs) > len(excluded):
-                        tried += 1
-                        d = rng.randrange(len(pool.docs))
-                        if d in excluded or d in chosen or pool.norm_text[d] in pos_texts:
-                            continue
-                        if any(_near_image(sigs.get(pool.docs[d].image), s, p) is not None for s in pos_sigs):
-                            continue
-                        chosen.add(d)
-                        randoms.append(d)
+                chosen = set(cands) | excluded
+                randoms = _draw_random(pool, sigs, p, rng, p.n_random, chosen, pos_texts, pos_sigs)
                 q = {"text": (r["query"] or {}).get("text"), "image": (r["query"] or {}).get("image")}
                 first = len(pairs)
                 pairs += [(q, {"text": d.get("text"), "image": d.get("image")}) for d in r["positives"]]
                 pairs += [(q, {"text": pool.docs[d].text, "image": pool.docs[d].image}) for d in cands + randoms]
-                plans.append((r, cands, randoms, via, pos_sigs, first))
+                plans.append((r, cands, randoms, via, pos_sigs, first, rng, chosen, pos_texts))
 
             batch_scores = scorer(pairs)
-            out_rows = []
-            for r, cands, randoms, via, pos_sigs, first in plans:
+            out_rows, fills = [], []
+            for r, cands, randoms, via, pos_sigs, first, rng, chosen, pos_texts in plans:
                 n_pos = len(r["positives"])
                 pos_scores = batch_scores[first : first + n_pos]
                 cand_scores = batch_scores[first + n_pos : first + n_pos + len(cands)]
@@ -408,6 +415,24 @@ def mine_table(
                                      "via": "random", "rank": None, "score": s, "kept": True, "reason": None})
                 n["random"] += len(randoms)
                 out_rows.append({**r, "negatives": negatives})
+                if p.fill_with_random and mined < p.n_mined:  # random ones fill in for mined ones that ran short
+                    extra = _draw_random(pool, sigs, p, rng, p.n_mined - mined, chosen, pos_texts, pos_sigs)
+                    fills += [(len(out_rows) - 1, d) for d in extra]
+            if fills:
+                q_of = lambda i: {"text": (out_rows[i]["query"] or {}).get("text"),  # noqa: E731
+                                  "image": (out_rows[i]["query"] or {}).get("image")}
+                fill_scores = scorer([(q_of(i), {"text": pool.docs[d].text, "image": pool.docs[d].image})
+                                      for i, d in fills])
+                for (i, d), s in zip(fills, fill_scores):
+                    doc = pool.docs[d]
+                    scores["random"].append(s)
+                    out_rows[i]["negatives"].append(
+                        {"doc_id": doc.doc_id, "text": doc.text, "image": doc.image, "hard": False,
+                         "meta": _with_mining_meta(doc.meta, {"source": "random", "score": round(s, 6), "fill": True})})
+                    log_rows.append({"record_id": out_rows[i]["record_id"], "doc_id": doc.doc_id, "source": "random",
+                                     "via": "random (fill)", "rank": None, "score": s, "kept": True, "reason": None})
+                n["random"] += len(fills)
+                n["random_fill"] += len(fills)
             out_batches.append(pa.RecordBatch.from_pylist(out_rows, schema=MODEL_INPUT_SCHEMA))
             bar.update(len(rows))
         bar.close()

@@ -187,6 +187,9 @@ def test_mined_negatives_are_hard_and_never_a_positive_or_near_duplicate(mined):
         assert row["negatives"][: len(own)] == own  # the user's own negatives first, untouched
         m, rnd = _added(row, "mined"), _added(row, "random")
         assert len(row["negatives"]) == len(own) + len(m) + len(rnd) and len(m) <= params.n_mined
+        # random ones fill in for mined ones that ran short: every query gets n_mined + n_random
+        assert len(m) + len(rnd) == params.n_mined + params.n_random
+        assert sum(1 for n in rnd if json.loads(n["meta"])["mining"].get("fill")) == params.n_mined - len(m)
         assert all(n["hard"] for n in m) and not any(n["hard"] for n in rnd)
         ids = [n["doc_id"] for n in row["negatives"]]
         assert len(ids) == len(set(ids))  # nothing added twice, nothing the user already gave
@@ -208,9 +211,10 @@ def test_mined_negatives_are_hard_and_never_a_positive_or_near_duplicate(mined):
                 assert params.rank_window[0] <= mark["rank"] <= params.rank_window[1]
         mined_negs += [(row, n) for n in m]
         random_negs += [(row, n) for n in rnd]
+    assert result.counts["random_fill"] == sum(params.n_mined - len(_added(r, "mined")) for r in rows)
     n_rows = len(rows)
     assert len(mined_negs) >= 0.8 * params.n_mined * n_rows
-    assert len(random_negs) == params.n_random * n_rows
+    assert len(random_negs) == params.n_random * n_rows + result.counts["random_fill"]
 
     # The base model, scoring afresh (no cache): mined negatives score higher than random ones.
     reranker = _factory(mined["tiny"])()
@@ -237,7 +241,8 @@ def test_mined_negatives_are_hard_and_never_a_positive_or_near_duplicate(mined):
 def test_margin_filter(mined):
     """Scores above relative_margin x the positive's are dropped as likely false negatives (cached scores)."""
     part = mined["train"]  # the same documents as the first run: every candidate's score is cached
-    strict = mine_table(part, {**mined["params"], "relative_margin": 0.5}, _factory(mined["tiny"]), mined["key"])
+    strict = mine_table(part, {**mined["params"], "relative_margin": 0.5, "fill_with_random": False},
+                        _factory(mined["tiny"]), mined["key"])
     counts = strict.counts
     assert counts["pairs_scored"] == 0  # all cached by the first run
     assert counts["mined"] == 0 and counts["fn_margin"] > 0
