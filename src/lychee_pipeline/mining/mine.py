@@ -327,6 +327,7 @@ def mine_table(
         scorer = _Scorer(reranker_factory, cache, model_id, p.instruction, p.progress)
         out_batches: list[pa.RecordBatch] = []
         log_rows: list[dict[str, Any]] = []
+        log_batches: list[pa.RecordBatch] = []
         scores: dict[str, list[float]] = {"positive": [], "mined": [], "random": [], "candidate": []}
         n = {"candidates": 0, "rescored_candidates": 0, "false_negatives": 0, "fn_same_text": 0, "fn_near_image": 0,
              "fn_margin": 0, "mined": 0, "random": 0, "random_fill": 0, "queries_short": 0, "queries_without_candidates": 0}
@@ -434,6 +435,8 @@ def mine_table(
                 n["random"] += len(fills)
                 n["random_fill"] += len(fills)
             out_batches.append(pa.RecordBatch.from_pylist(out_rows, schema=MODEL_INPUT_SCHEMA))
+            log_batches.append(pa.RecordBatch.from_pylist(log_rows, schema=LOG_SCHEMA))  # Arrow per batch: compact
+            log_rows = []
             bar.update(len(rows))
         bar.close()
         scorer.bar.close()
@@ -456,7 +459,7 @@ def mine_table(
              "negatives filtered, %d mined and %d random negatives kept (%d queries short of n_mined)",
              counts["queries"], counts["documents"], n["candidates"], n["rescored_candidates"], scorer.hits,
              n["false_negatives"], n["mined"], n["random"], n["queries_short"])
-    return MiningResult(table_out, counts, pa.Table.from_pylist(log_rows, schema=LOG_SCHEMA), scores)
+    return MiningResult(table_out, counts, pa.Table.from_batches(log_batches, schema=LOG_SCHEMA), scores)
 
 
 def score_histogram(scores: Mapping[str, Sequence[float]]):

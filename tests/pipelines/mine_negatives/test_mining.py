@@ -261,6 +261,9 @@ def test_rerun_takes_every_score_from_the_cache(mined):
     assert again.table.equals(mined["result"].table)
     assert again.counts["pairs_scored"] == 0 and again.counts["images_hashed"] == 0
     assert again.counts["pairs_from_cache"] == again.counts["pairs"] == mined["result"].counts["pairs"]
+    # streamed in batches of 7 queries: the same result (draws are per record, scores per pair)
+    streamed = mine_table(mined["train"], {**mined["params"], "batch_queries": 7}, no_model, mined["key"])
+    assert streamed.table.equals(mined["result"].table) and streamed.log_table.equals(mined["result"].log_table)
     # another model key (another model or image budget) is scored afresh
     with pytest.raises(AssertionError, match="must not load"):
         mine_table(mined["train"].slice(0, 3), mined["params"], no_model, mined["key"] + "other")
