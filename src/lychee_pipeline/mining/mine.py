@@ -353,7 +353,7 @@ def mine_table(
                 excluded = {pool.index[x] for x in exclude if x in pool.index}
                 rank_t = [d for d, _ in hits_t if d not in excluded]
                 rank_i = [d for d, _ in hits_i if d not in excluded]
-                cands = fuse([rank_t, rank_i], p.rescore_top)
+                cands = fuse([rank_t, rank_i], p.rescore_top) if p.n_mined else []  # n_mined 0: random only
                 n["candidates"] += len(set(rank_t) | set(rank_i))
                 via = {d: "+".join(x for x, s in (("bm25", rank_t), ("image", rank_i)) if d in s) for d in cands}
                 pos_sigs = [sigs.get(d.get("image")) for d in r["positives"]]
