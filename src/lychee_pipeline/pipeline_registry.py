@@ -10,6 +10,7 @@ from lychee_pipeline.pipelines import (
     demo_data,
     evaluation,
     image_normalization,
+    mine_negatives,
     registry,
     rerank,
     reporting,
@@ -21,16 +22,20 @@ def register_pipelines() -> dict[str, Pipeline]:
     """Register the project's pipelines."""
     data = data_ingestion.create_pipeline() + image_normalization.create_pipeline() + data_split.create_pipeline()
     tail = evaluation.create_pipeline() + reporting.create_pipeline()
-    smoke = data + training.create_smoke_pipeline() + tail
+    # mine_negatives sits between the split and training (a pass-through while mining.enabled / smoke_enabled is off)
+    smoke = (data + mine_negatives.create_smoke_pipeline()
+             + Pipeline(training.create_smoke_pipeline(), inputs={"smoke_train_records": "mined_train_records"}) + tail)
     # full: the final model is registered and gated for the champion alias after evaluation and MLflow logging
-    full = (data + training.create_pipeline() + evaluation.create_pipeline() + reporting.create_pipeline(registry=True)
-            + registry.create_pipeline())
+    full = (data + mine_negatives.create_pipeline()
+            + Pipeline(training.create_pipeline(), inputs={"train_records": "mined_train_records"})
+            + evaluation.create_pipeline() + reporting.create_pipeline(registry=True) + registry.create_pipeline())
     return {
         "__default__": smoke,
         "smoke": smoke,
         "full": full,
         "demo_data": demo_data.create_pipeline(),
         "data": data,
+        "mine_negatives": mine_negatives.create_pipeline(),
         "training": training.create_pipeline(),
         "evaluation": evaluation.create_pipeline(),
         "rerank": rerank.create_pipeline(),
