@@ -137,3 +137,11 @@ def test_measure_equals_the_prepared_count_and_counts_nothing(reranker, images, 
         assert collator.prepare(pair)[2] == measured
         assert collator.stats.pairs == before + 1
     assert collator.stats.truncated_pairs > 0  # max_length 40 cut some texts: measure saw the same cut
+
+
+def test_the_fast_image_processor_is_used_exactly_when_torchvision_is_installed(reranker):
+    from transformers.utils import is_torchvision_available
+
+    from lychee_pipeline.reranker.model import image_processor_kind
+
+    assert image_processor_kind(reranker.model.processor) == ("fast" if is_torchvision_available() else "pil")
