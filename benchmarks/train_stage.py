@@ -303,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     args.step_steps = args.step_steps or (4 if tiny else 10)
     args.max_pixels = args.max_pixels or ((112 * 112) if tiny else (448 * 448))
     records = args.records or (args.stage_steps + 8)
+    if device.type == "cpu":  # as the stage's processes (training.launch.threads_per_process: 1)
+        torch.set_num_threads(1)
     env = common.environment(device)
     from lychee_pipeline.training.memory import cpus_available
 
