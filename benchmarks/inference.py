@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--images", choices=("memory", "jpeg800", "mixed"), default="memory",
                         help="in-memory 448x448 images (default) or JPEG files: 800x800 or mixed sizes")
     parser.add_argument("--text-tokens", type=int, default=None, help="mean text tokens per pair")
-    parser.add_argument("--jpeg-count", type=int, default=96, help="distinct JPEG files (cycled over documents)")
+    parser.add_argument("--jpeg-count", type=int, default=48, help="distinct JPEG files (cycled over documents)")
     common.add_run_args(parser, seed=7)
     args = parser.parse_args(argv)
     device, dtype = common.pick_device(parser, args)
