@@ -91,10 +91,12 @@ def load_image(image: Any, max_pixels: int | None = None):
 
 
 class ImageSize:
-    """The size an image will have once loaded by :func:`load_image`, read from the file's header only."""
+    """The size an image will have once loaded by :func:`load_image`, read from the file's header only;
+    ``source`` is what to load it from later."""
 
-    def __init__(self, size: tuple[int, int]):
+    def __init__(self, size: tuple[int, int], source: Any = None):
         self.size = size
+        self.source = source
 
 
 def image_size(image: Any, max_pixels: int | None = None) -> ImageSize:
@@ -103,7 +105,7 @@ def image_size(image: Any, max_pixels: int | None = None) -> ImageSize:
     from PIL import Image
 
     if isinstance(image, Image.Image):
-        return ImageSize(image.size)
+        return ImageSize(image.size, image)
     path = str(image)
     try:
         with Image.open(path) as opened:
@@ -112,7 +114,7 @@ def image_size(image: Any, max_pixels: int | None = None) -> ImageSize:
             orientation = opened.getexif().get(0x0112)
     except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
         raise BrokenImageError(path, f"{type(exc).__name__}: {exc}") from exc
-    return ImageSize((height, width) if orientation in _SWAPPED_ORIENTATIONS else (width, height))
+    return ImageSize((height, width) if orientation in _SWAPPED_ORIENTATIONS else (width, height), image)
 
 
 def max_pixels_at(progress: float, schedule: Any, default: int | None = None) -> int:
@@ -217,10 +219,18 @@ class PairCollator:
         For sorting pairs by length before their images are decoded; not counted in :attr:`stats`."""
         return self.prepare(pair, decode=False)[2]
 
-    def prepare(self, pair: Sequence[Any], decode: bool = True) -> tuple[str, list[Any], int]:
+    def decode(self, prepared: tuple[str, list[Any], int]) -> tuple[str, list[Any], int]:
+        """A pair prepared with ``decode=False``, its images now decoded (the text and count are kept)."""
+        text, images, count = prepared
+        return text, [load_image(im.source, self.max_pixels) if isinstance(im, ImageSize) else im
+                      for im in images], count
+
+    def prepare(self, pair: Sequence[Any], decode: bool = True, count: bool | None = None) -> tuple[str, list[Any], int]:
         """(prompt text with one placeholder per image, PIL images in order, final token count).
 
-        ``decode=False``: images are only sized from their headers (see :meth:`measure`)."""
+        ``decode=False``: images are only sized from their headers (:class:`ImageSize`; :meth:`decode` loads
+        them later). ``count``: add the pair to :attr:`stats` (default: when decoding)."""
+        count_stats = decode if count is None else count
         if len(pair) == 3:
             query, doc, instruction = pair
         else:
@@ -235,7 +245,7 @@ class PairCollator:
         messages = build_messages(query, doc, instruction)
         text = render_prompt(self.processor, messages)
         count = self._count(text, img_tokens, len(images))
-        stats = self.stats if decode else TruncationStats()
+        stats = self.stats if count_stats else TruncationStats()
         stats.pairs += 1
         if count <= self.max_length:
             return text, images, count
@@ -260,7 +270,7 @@ class PairCollator:
         stats.truncated_tokens += original - count
         if count > self.max_length:
             stats.over_length_pairs += 1
-            if decode and not self._warned_over:
+            if count_stats and not self._warned_over:
                 log.warning(
                     "a pair needs %d tokens (> max_length %d) even without text: its images are too large; "
                     "lower max_pixels or raise max_length (image tokens are never truncated)",

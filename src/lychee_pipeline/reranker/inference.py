@@ -93,12 +93,13 @@ class Reranker:
         count (measured without decoding images), then cut into batches of ``batch_size``."""
         pin = self.model.device.type == "cuda"
         for start in range(0, len(pairs), self.chunk_size):
-            chunk = pairs[start : start + self.chunk_size]
-            lengths = [self.collator.measure(p) for p in chunk]
-            order = sorted(range(len(chunk)), key=lambda i: lengths[i])
+            # prompts rendered, tokens counted and truncation applied once; images decoded only per batch
+            chunk = [self.collator.prepare(p, decode=False, count=True)
+                     for p in pairs[start : start + self.chunk_size]]
+            order = sorted(range(len(chunk)), key=lambda i: chunk[i][2])
             for b in range(0, len(order), self.batch_size):
                 idx = order[b : b + self.batch_size]
-                batch = self.collator.encode([self.collator.prepare(chunk[i]) for i in idx])
+                batch = self.collator.encode([self.collator.decode(chunk[i]) for i in idx])
                 if pin:  # page-locked, so the copy to the GPU is asynchronous
                     batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
                 yield [start + i for i in idx], batch
