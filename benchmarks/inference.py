@@ -138,8 +138,8 @@ def naive_scores(reranker: LycheeReranker, pairs, batch_size: int = 8) -> list[f
 
 def instrument(collator) -> dict:
     """Wrap ``prepare`` / ``encode`` of a collator instance with wall-clock timers."""
-    acc = {"prepare_s": 0.0, "encode_s": 0.0}
-    for name in ("prepare", "encode"):
+    acc = {"prepare_s": 0.0, "decode_s": 0.0, "encode_s": 0.0}
+    for name in ("prepare", "decode", "encode"):
         original = getattr(collator, name)
 
         def wrapped(*a, _orig=original, _key=f"{name}_s", **kw):
@@ -297,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         common.reset_peak(device)
         scores[name], secs = timed(lambda: scorer.score_pairs(pairs), device)
         results[name] = {"pairs_per_s": len(pairs) / secs, "seconds": secs, "peak_gib": common.peak_gib(device),
-                         "host_prepare_s": phases["prepare_s"], "host_encode_s": phases["encode_s"],
+                         "host_prepare_s": phases["prepare_s"], "host_decode_s": phases["decode_s"],
+                         "host_encode_s": phases["encode_s"],
                          "label": f"{cls.__name__}.score_pairs, batch {bs} length-sorted, last-position logits"
                                   + (", fast vision" if fast else ", stock vision"),
                          "vs_naive": compare(ref, scores[name], args.docs)}
@@ -335,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
             extra = (f"  max |dp| {c['max_abs_prob_diff']:.2e}, max |dlogit| {c['max_abs_logit_diff']:.2e}, same ranking "
                      f"{c['queries_same_ranking']}/{c['queries']} queries, same top-1 {c['queries_same_top1']}/{c['queries']}")
         if "host_prepare_s" in r:
-            extra += f"; host prepare {r['host_prepare_s']:.1f} s, encode {r['host_encode_s']:.1f} s"
+            extra += (f"; host prepare {r['host_prepare_s']:.1f} s, image decode {r['host_decode_s']:.1f} s, "
+                      f"encode {r['host_encode_s']:.1f} s")
         if "discordant_doc_pairs" in r.get("vs_naive", {}):
             c = r["vs_naive"]
             extra += (f"; discordant doc pairs {c['discordant_doc_pairs']}/{c['doc_pairs']}, largest naive logit gap among "
