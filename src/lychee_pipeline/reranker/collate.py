@@ -50,9 +50,31 @@ class TruncationStats:
         return dict(vars(self))
 
 
-def load_image(image: Any):
+DRAFT_FACTOR = 4  # decode a JPEG at reduced scale only when it has at least this many times the pixel budget
+_SWAPPED_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that turn the image by 90 degrees
+
+
+def _draft(opened: Any, max_pixels: int | None) -> None:
+    """Let libjpeg decode a JPEG at 1/2, 1/4 or 1/8 scale (DCT scaling: cheap and antialiased) when the image
+    has ``DRAFT_FACTOR`` x the pixel budget or more. The drafted image stays at least as large as the budget's
+    size (``Image.draft`` never goes below the requested size), so the processor still resizes *down* to it.
+    Header only: nothing is decoded here."""
+    if max_pixels is None or getattr(opened, "format", None) != "JPEG":
+        return
+    width, height = opened.size
+    if width * height < DRAFT_FACTOR * max_pixels:
+        return
+    scale = math.sqrt(max_pixels / (width * height))
+    opened.draft("RGB", (max(1, math.ceil(width * scale)), max(1, math.ceil(height * scale))))
+
+
+def load_image(image: Any, max_pixels: int | None = None):
     """A PIL RGB image from a path (turned upright by its EXIF orientation, as a photo viewer shows it) or a
-    PIL image (taken as given); :class:`BrokenImageError` naming the file if unreadable."""
+    PIL image (taken as given); :class:`BrokenImageError` naming the file if unreadable.
+
+    ``max_pixels``: the pixel budget the image will be resized to; a JPEG with ``DRAFT_FACTOR`` times more
+    pixels is decoded at reduced scale (Pillow's ``Image.draft``), several times faster for large photos.
+    """
     from PIL import Image, ImageOps
 
     if isinstance(image, Image.Image):
@@ -60,11 +82,39 @@ def load_image(image: Any):
     path = str(image)
     try:
         with Image.open(path) as opened:
+            _draft(opened, max_pixels)
             opened.load()  # decode fully now: truncated files fail here, not in the processor
             # phone photos are stored sideways with an orientation tag; training and scoring both read here
             return ImageOps.exif_transpose(opened).convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:  # PIL raises all of these
         raise BrokenImageError(path, f"{type(exc).__name__}: {exc}") from exc
+
+
+class ImageSize:
+    """The size an image will have once loaded by :func:`load_image`, read from the file's header only;
+    ``source`` is what to load it from later."""
+
+    def __init__(self, size: tuple[int, int], source: Any = None):
+        self.size = size
+        self.source = source
+
+
+def image_size(image: Any, max_pixels: int | None = None) -> ImageSize:
+    """(width, height) as :func:`load_image` would return the image (draft and EXIF rotation included), without
+    decoding it; :class:`BrokenImageError` if the header cannot be read."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return ImageSize(image.size, image)
+    path = str(image)
+    try:
+        with Image.open(path) as opened:
+            _draft(opened, max_pixels)
+            width, height = opened.size
+            orientation = opened.getexif().get(0x0112)
+    except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:
+        raise BrokenImageError(path, f"{type(exc).__name__}: {exc}") from exc
+    return ImageSize((height, width) if orientation in _SWAPPED_ORIENTATIONS else (width, height), image)
 
 
 def max_pixels_at(progress: float, schedule: Any, default: int | None = None) -> int:
@@ -163,8 +213,24 @@ class PairCollator:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][: max(keep, 0)]
         return self.tokenizer.decode(ids, skip_special_tokens=False).rstrip("\ufffd")
 
-    def prepare(self, pair: Sequence[Any]) -> tuple[str, list[Any], int]:
-        """(prompt text with one placeholder per image, PIL images in order, final token count)."""
+    def measure(self, pair: Sequence[Any]) -> int:
+        """The token count :meth:`prepare` will give ``pair`` (truncation included), reading only image headers.
+
+        For sorting pairs by length before their images are decoded; not counted in :attr:`stats`."""
+        return self.prepare(pair, decode=False)[2]
+
+    def decode(self, prepared: tuple[str, list[Any], int]) -> tuple[str, list[Any], int]:
+        """A pair prepared with ``decode=False``, its images now decoded (the text and count are kept)."""
+        text, images, count = prepared
+        return text, [load_image(im.source, self.max_pixels) if isinstance(im, ImageSize) else im
+                      for im in images], count
+
+    def prepare(self, pair: Sequence[Any], decode: bool = True, count: bool | None = None) -> tuple[str, list[Any], int]:
+        """(prompt text with one placeholder per image, PIL images in order, final token count).
+
+        ``decode=False``: images are only sized from their headers (:class:`ImageSize`; :meth:`decode` loads
+        them later). ``count``: add the pair to :attr:`stats` (default: when decoding)."""
+        count_stats = decode if count is None else count
         if len(pair) == 3:
             query, doc, instruction = pair
         else:
@@ -173,12 +239,14 @@ class PairCollator:
         query, doc = _as_item(query), _as_item(doc)
         if instruction is None:
             instruction = instruction_for(task_type_of(query, doc), self.instructions)
-        images = [load_image(item["image"]) for item in (query, doc) if item["image"] is not None]
+        read = load_image if decode else image_size
+        images = [read(item["image"], self.max_pixels) for item in (query, doc) if item["image"] is not None]
         img_tokens = sum(self.image_tokens(im) for im in images)
         messages = build_messages(query, doc, instruction)
         text = render_prompt(self.processor, messages)
         count = self._count(text, img_tokens, len(images))
-        self.stats.pairs += 1
+        stats = self.stats if count_stats else TruncationStats()
+        stats.pairs += 1
         if count <= self.max_length:
             return text, images, count
 
@@ -198,11 +266,11 @@ class PairCollator:
                 if count <= self.max_length or keep <= floor:
                     break
                 keep = max(keep - max(count - self.max_length, 1), floor)
-        self.stats.truncated_pairs += 1
-        self.stats.truncated_tokens += original - count
+        stats.truncated_pairs += 1
+        stats.truncated_tokens += original - count
         if count > self.max_length:
-            self.stats.over_length_pairs += 1
-            if not self._warned_over:
+            stats.over_length_pairs += 1
+            if count_stats and not self._warned_over:
                 log.warning(
                     "a pair needs %d tokens (> max_length %d) even without text: its images are too large; "
                     "lower max_pixels or raise max_length (image tokens are never truncated)",

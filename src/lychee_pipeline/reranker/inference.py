@@ -1,12 +1,16 @@
 """Scoring API: ``Reranker.score(query, docs)`` -> p(yes) per document, ``rerank`` -> best first.
 
-Pairs are prepared in chunks, sorted by token length inside each chunk and batched, so batches carry
-little padding; results come back in input order. Runs under ``torch.inference_mode``.
+Pairs are measured in chunks (token counts from the text and the image headers), sorted by token length
+inside each chunk and batched, so batches carry little padding; results come back in input order. A host
+thread decodes, tokenizes and encodes the next batches (bounded queue) while the model runs on the current
+one. Runs under ``torch.inference_mode``.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,12 +43,15 @@ class Reranker:
         max_pixels: int = DEFAULT_MAX_PIXELS,
         instructions: Mapping[str, str] | None = None,
         chunk_batches: int = 32,
+        prefetch_batches: int = 2,
     ):
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         self.model = model
         self.batch_size = int(batch_size)
         self.chunk_size = int(batch_size) * max(int(chunk_batches), 1)
+        # batches prepared ahead by the host thread (0: prepare each batch in the calling thread, no overlap)
+        self.prefetch_batches = max(int(prefetch_batches), 0)
         self.collator = PairCollator(model.processor, max_length, min_pixels, max_pixels, instructions)
         self.processing = ProcessingConfig(max_length, min_pixels, max_pixels, instructions)
 
@@ -98,6 +105,67 @@ class Reranker:
                    settings.instructions)
 
     # -- scoring ----------------------------------------------------------------------------------
+    def batches(self, pairs: Sequence[Sequence[Any]]):
+        """``(positions in pairs, host batch)`` in scoring order: chunks of ``chunk_size`` pairs sorted by token
+        count (measured without decoding images), then cut into batches of ``batch_size``."""
+        pin = self.model.device.type == "cuda"
+        for start in range(0, len(pairs), self.chunk_size):
+            # prompts rendered, tokens counted and truncation applied once; images decoded only per batch
+            chunk = [self.collator.prepare(p, decode=False, count=True)
+                     for p in pairs[start : start + self.chunk_size]]
+            order = sorted(range(len(chunk)), key=lambda i: chunk[i][2])
+            for b in range(0, len(order), self.batch_size):
+                idx = order[b : b + self.batch_size]
+                batch = self.collator.encode([self.collator.decode(chunk[i]) for i in idx])
+                if pin:  # page-locked, so the copy to the GPU is asynchronous
+                    batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                yield [start + i for i in idx], batch
+
+    def _prefetched(self, pairs: Sequence[Sequence[Any]]):
+        """:meth:`batches` produced by one host thread, at most ``prefetch_batches`` ahead (one thread: the
+        tokenizer and the collator's counters are not shared between threads)."""
+        if self.prefetch_batches == 0:
+            yield from self.batches(pairs)
+            return
+        ready: queue.Queue = queue.Queue(maxsize=self.prefetch_batches)
+        stop = threading.Event()
+        done = object()
+
+        def produce() -> None:
+            try:
+                for item in self.batches(pairs):
+                    while not stop.is_set():
+                        try:
+                            ready.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+                item = done
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, raised there
+                item = exc
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    return
+                except queue.Full:
+                    continue
+
+        worker = threading.Thread(target=produce, name="lychee-score-prefetch", daemon=True)
+        worker.start()
+        try:
+            while True:
+                item = ready.get()
+                if item is done:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            worker.join(timeout=30)
+
     def score_pairs(self, pairs: Sequence[Sequence[Any]], task_types: Sequence[str | None] | None = None) -> list[float]:
         """p(yes) for each ``(query, doc)`` or ``(query, doc, instruction)`` pair, in input order.
 
@@ -105,8 +173,9 @@ class Reranker:
         gives every document of a record its record's ``task_type``; pass the records' task types to score as
         trained. Without one (or for None), the instruction follows the pair's own modalities.
 
-        Pairs are sorted by length within chunks (little padding). Each batch's scores stay on the device
-        until the next batch is encoded on the host, so image decoding and tokenization overlap the GPU.
+        Pairs are sorted by length within chunks (little padding). A host thread prepares the next batches
+        (image decoding, tokenization, the processor) while the model runs; each batch's scores are read back
+        after the next batch has been launched, so the device always has queued work.
         """
         if task_types is not None:
             if len(task_types) != len(pairs):
@@ -118,26 +187,22 @@ class Reranker:
         was_training = self.model.training
         self.model.eval()
         device = self.model.device
-        pending: tuple[list[int], int, torch.Tensor] | None = None
+        pending: tuple[list[int], torch.Tensor] | None = None
 
         def read_back() -> None:
-            idx, start, probs = pending
-            for i, p in zip(idx, probs.float().cpu().tolist()):
-                scores[start + i] = float(p)
+            positions, probs = pending
+            for i, p in zip(positions, probs.float().cpu().tolist()):
+                scores[i] = float(p)
 
         try:
             with torch.inference_mode():
-                for start in range(0, len(pairs), self.chunk_size):
-                    chunk = [self.collator.prepare(p) for p in pairs[start : start + self.chunk_size]]
-                    order = sorted(range(len(chunk)), key=lambda i: chunk[i][2])
-                    for b in range(0, len(order), self.batch_size):
-                        idx = order[b : b + self.batch_size]
-                        batch = self.collator.encode([chunk[i] for i in idx])
-                        batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                                 for k, v in batch.items()}
-                        if pending is not None:
-                            read_back()
-                        pending = (idx, start, self.model.probabilities(self.model(**batch)))
+                for positions, batch in self._prefetched(pairs):
+                    batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                             for k, v in batch.items()}
+                    probs = self.model.probabilities(self.model(**batch))
+                    if pending is not None:
+                        read_back()
+                    pending = (positions, probs)
                 if pending is not None:
                     read_back()
         finally:

@@ -10,6 +10,7 @@ computed from the last hidden state and the two ``lm_head`` rows (no full-vocabu
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,6 +21,8 @@ from torch import nn
 
 if TYPE_CHECKING:
     from .processing import ProcessingConfig
+
+log = logging.getLogger(__name__)
 
 FINETUNE_MODES = ("lora", "qlora", "full", "frozen")
 # language-model attention projections only: anything under `visual` (the vision tower) is excluded
@@ -117,16 +120,30 @@ def save_processor(processor: Any, out_dir: str | os.PathLike) -> None:
             path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+def image_processor_kind(processor: Any) -> str:
+    """``"fast"`` when the processor resizes and normalises with torchvision (tensor ops, the faster host path),
+    ``"pil"`` for the PIL/numpy one (what a machine without torchvision gets)."""
+    names = {cls.__name__ for cls in type(processor.image_processor).__mro__}
+    fast = any(n.endswith("Fast") for n in names) or "TorchvisionBackend" in names
+    return "fast" if fast else "pil"
+
+
 def load_processor(path: str, local_files_only: bool = False) -> Any:
-    """AutoProcessor when torchvision is importable, else :class:`LycheeProcessor` (images + text)."""
+    """AutoProcessor with the fast (torchvision) image processor when torchvision is importable, else
+    :class:`LycheeProcessor` (images + text, PIL image processor). Which one loaded is logged."""
+    import warnings
+
     from transformers import AutoProcessor
     from transformers.utils import is_torchvision_available
 
     kwargs = {"trust_remote_code": False, "local_files_only": local_files_only}
     if is_torchvision_available():
-        processor = AutoProcessor.from_pretrained(path, **kwargs)
+        with warnings.catch_warnings():  # newer transformers: fast is the default and the flag is deprecated
+            warnings.simplefilter("ignore")
+            processor = AutoProcessor.from_pretrained(path, use_fast=True, **kwargs)
     else:
         processor = LycheeProcessor.from_pretrained(path, **kwargs)
+    log.info("image processor: %s (%s)", type(processor.image_processor).__name__, image_processor_kind(processor))
     tok = processor.tokenizer
     if tok.padding_side != "left":
         tok.padding_side = "left"

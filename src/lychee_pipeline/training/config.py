@@ -22,8 +22,9 @@ class ModelParams(_Strict):
     name_or_path: str = "builtin:tiny"
     finetune: Literal["lora", "qlora", "full", "frozen"] = "lora"
     lora: LoraParams = LoraParams()
-    activation_checkpointing: bool = False
-    checkpoint_layers: int | float | None = None  # decoder layers checkpointed (None = all; 17 of 28 fits 40 GiB)
+    # true / false, or auto: checkpoint just enough decoder layers for training.memory_budget_gib (training/memory.py)
+    activation_checkpointing: bool | Literal["auto"] = "auto"
+    checkpoint_layers: int | float | None = None  # with true: decoder layers checkpointed (None = all)
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
     fast_path: bool = True
@@ -48,6 +49,26 @@ class LaunchParams(_Strict):
     hang_after_exit_s: PositiveInt = 120  # after one rank exited, another silent this long is named as hung
     rendezvous_timeout_s: PositiveInt = 900  # startup limit: past the rendezvous (else the missing machines named) and to step 1
     threads_per_process: PositiveInt = 1  # CPU runs only
+
+
+class DataLoaderParams(_Strict):
+    """Collation (image decode, resize, processor, negative sampling) in DataLoader worker processes.
+
+    ``auto``: on CUDA min(4, CPUs per process - 1) workers, 2 batches prefetched per worker, persistent
+    workers and pinned memory; on a CPU device collation stays in the training process (0 workers).
+    """
+
+    num_workers: int | Literal["auto"] = "auto"
+    prefetch_factor: PositiveInt | Literal["auto"] = "auto"
+    persistent_workers: bool | Literal["auto"] = "auto"
+    pin_memory: bool | Literal["auto"] = "auto"
+
+    @field_validator("num_workers")
+    @classmethod
+    def _non_negative(cls, value):
+        if value != "auto" and value < 0:
+            raise ValueError("must be >= 0 or auto")
+        return value
 
 
 class TrainingParams(_Strict):
@@ -76,7 +97,9 @@ class TrainingParams(_Strict):
     keep_last: PositiveInt = 2
     resume: bool = False
     reuse_finished: bool = True  # a re-run returns a finished stage's result when its spec and adapter are unchanged
-    log_every: PositiveInt = 1
+    log_every: PositiveInt = 1  # losses are read back from the device (one sync) only on logging steps
+    memory_budget_gib: float = Field(40.0, gt=0.0)  # per device, for model.activation_checkpointing: auto
+    dataloader: DataLoaderParams = DataLoaderParams()
     launch: LaunchParams = LaunchParams()
 
     @model_validator(mode="after")

@@ -22,6 +22,8 @@ class Slot(NamedTuple):
     record: int  # row of the training table (for a padding slot: a real row, so shapes stay normal)
     weight: float  # 1.0 for a real slot, 0.0 for padding
     real_in_batch: int  # real slots in this slot's global batch (all ranks together)
+    epoch: int = 0  # with the position: the optimizer step the slot's batch belongs to, known in any worker
+    position: int = 0  # place in the epoch's (padded) sequence
 
 
 class EpochPermutation(Sampler[Slot]):
@@ -48,9 +50,9 @@ class EpochPermutation(Sampler[Slot]):
         for position in range(len(self)):
             real = min(self.global_batch, self.n - (position // self.global_batch) * self.global_batch)
             if position < self.n:
-                yield Slot(order[position], 1.0, real)
+                yield Slot(order[position], 1.0, real, self.epoch, position)
             else:
-                yield Slot(order[(position - self.n) % self.n], 0.0, real)
+                yield Slot(order[(position - self.n) % self.n], 0.0, real, self.epoch, position)
 
 
 class SlotDataset(torch.utils.data.Dataset):

@@ -20,15 +20,16 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator, InitProcessGroupKwargs
+from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
 from lychee_pipeline.reranker import GroupCollator, ModelConfig, listwise_loss, load_reranker, pointwise_loss
-from lychee_pipeline.reranker.collate import max_pixels_at
+from lychee_pipeline.reranker.collate import max_pixels_at, sample_group
 from lychee_pipeline.reranker.processing import ProcessingConfig
+from lychee_pipeline.reranker.prompt import instruction_for, task_type_of
 from lychee_pipeline.tracking import StageTracker
-from lychee_pipeline.training import checkpoints
+from lychee_pipeline.training import checkpoints, memory
 from lychee_pipeline.training.heartbeat import Heartbeat  # read by the launcher's watchdog (launch.py)
 from lychee_pipeline.training.sampling import EpochPermutation, Slot, SlotDataset, loss_scale
 from lychee_pipeline.training.schedule import Schedule
@@ -36,6 +37,44 @@ from lychee_pipeline.training.schedule import Schedule
 log = logging.getLogger("lychee_pipeline.training.train")
 
 ADAPTER_MANIFEST = "adapter.manifest.json"
+
+
+class StageCollate:
+    """Slots of one micro-batch -> the model batch; a pure function of the slots, so it can run in any worker.
+
+    ``tokens`` (real tokens of the batch, counted on the host) and the batch's truncation counts travel with the
+    batch, so the training loop never has to read them back from the device and no count is lost in a worker.
+    """
+
+    def __init__(self, records, collator: GroupCollator, train: dict, steps_per_epoch: int, total_steps: int,
+                 num_processes: int, trace: bool):
+        self.records, self.collator, self.trace, self.num_processes = records, collator, trace, num_processes
+        self.schedule = [(s["start"], s["max_pixels"]) for s in train["resolution_schedule"]]
+        self.max_pixels = train["max_pixels"]
+        # micro-batches of the whole run (all ranks) per optimizer step: Accelerate deals batches round-robin
+        self.batches_per_step = train["per_device_batch_size"], num_processes * train["gradient_accumulation_steps"]
+        self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
+
+    def step_of(self, epoch: int, position: int) -> int:
+        """Optimizer steps done before the step this record's batch belongs to."""
+        batch_size, per_step = self.batches_per_step
+        return epoch * self.steps_per_epoch + (position // batch_size) // per_step
+
+    def __call__(self, slots: list[Slot]) -> dict:
+        epoch, position = slots[0].epoch, slots[0].position
+        done = self.step_of(epoch, position)
+        self.collator.set_epoch(epoch)
+        self.collator.set_max_pixels(max_pixels_at(done / self.total_steps, self.schedule, self.max_pixels))
+        before = self.collator.stats.as_dict()
+        batch = self.collator([self.records[s.record] for s in slots])
+        after = self.collator.stats.as_dict()
+        batch["truncation"] = {k: after[k] - before[k] for k in after}
+        batch["tokens"] = int(batch["attention_mask"].sum())
+        batch["group_weight"] = torch.tensor([s.weight for s in slots])  # 0 for an epoch's padding slots
+        batch["loss_scale"] = loss_scale(slots, self.num_processes)
+        if self.trace:  # padding slots traced as -1
+            batch["record_index"] = torch.tensor([s.record if s.weight else -1 for s in slots])
+        return batch
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -69,6 +108,31 @@ def fault_point(name: str) -> None:
         os._exit(0)
 
 
+def resolve_activation_checkpointing(model, collator: GroupCollator, records, train: dict, pairs_per_micro_batch: int,
+                                     sample: int = 64) -> memory.CheckpointChoice:
+    """``model.activation_checkpointing: auto``: measure the longest pairs of a sample of records (the collator's
+    own token count, at the largest pixel budget of the run) and pick the checkpointed layers from the budget."""
+    budgets = [train["max_pixels"]] + [s["max_pixels"] for s in train["resolution_schedule"]]
+    saved = collator.pairs.max_pixels
+    collator.set_max_pixels(max(budgets))
+    order = EpochPermutation(len(records), train["seed"])
+    keys = [slot.record for slot in list(order)[: min(sample, len(records))]]
+    lengths = []
+    for i in keys:
+        group = sample_group(records[int(i)], collator.group_size, 0, collator.seed)
+        task_type = group["task_type"] or task_type_of(group["query"], group["docs"][0])
+        instruction = instruction_for(task_type, collator.pairs.instructions)
+        lengths += [collator.pairs.measure((group["query"], doc, instruction)) for doc in group["docs"]]
+    collator.set_max_pixels(saved)
+    from lychee_pipeline.reranker.fast_vision import decoder_layers
+
+    hf = model.base_model
+    text = getattr(hf.config, "text_config", hf.config)
+    tokens = memory.longest_micro_batch_tokens(lengths, pairs_per_micro_batch)
+    return memory.choose_checkpoint_layers(tokens, int(text.hidden_size), len(decoder_layers(hf)),
+                                           memory.weights_bytes(model), float(train.get("memory_budget_gib", 40.0)))
+
+
 def injected_nan(step: int) -> bool:
     """Fault injection: LYCHEE_FAULT=nan_loss (every step), nan_loss_at_<k> or nan_loss_from_<k> (optimizer step k)."""
     fault = os.environ.get("LYCHEE_FAULT", "")
@@ -93,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
 
     accelerator = Accelerator(
         gradient_accumulation_steps=train["gradient_accumulation_steps"],
+        # batches come from pinned memory (on CUDA) and are copied while the previous step still runs
+        dataloader_config=DataLoaderConfiguration(non_blocking=True),
         # Accelerate would step a prepared scheduler once per process per optimizer step (N times too fast on
         # N processes); we step it ourselves, exactly once per optimizer step of the run.
         step_scheduler_with_optimizer=False,
@@ -114,8 +180,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # Model and data. Every rank reads the same memory-mapped Arrow file; the sampler shards it.
     known = {f.name for f in dataclasses.fields(ModelConfig)}
+    model_spec = {k: v for k, v in spec["model"].items() if k in known}
+    auto_checkpointing = model_spec.get("activation_checkpointing") == "auto"
+    if auto_checkpointing:  # decided below, once the model's size and the data's longest batch are known
+        model_spec["activation_checkpointing"] = spec["model"].get("finetune") == "qlora"
+        model_spec["checkpoint_layers"] = None
     with accelerator.main_process_first():  # the first load may build or download; the others then reuse it
-        model = load_reranker(ModelConfig(**{k: v for k, v in spec["model"].items() if k in known}), accelerator.device)
+        model = load_reranker(ModelConfig(**model_spec), accelerator.device)
     with accelerator.main_process_first():
         import datasets
 
@@ -130,34 +201,43 @@ def main(argv: list[str] | None = None) -> int:
         negative_fill=train.get("negative_fill", "refuse"),
         fill_pool=records if train.get("negative_fill") == "fill_random" else None,  # rows of the same split
     )
-    schedule_pixels = [(s["start"], s["max_pixels"]) for s in train["resolution_schedule"]]
-    collator.set_max_pixels(max_pixels_at(0.0, schedule_pixels, train["max_pixels"]))
+    pairs_per_micro_batch = train["group_size"] * train["per_device_batch_size"]
+    checkpoint_choice = None
+    if auto_checkpointing and spec["model"].get("finetune") != "qlora":
+        checkpoint_choice = resolve_activation_checkpointing(model, collator, records, train, pairs_per_micro_batch)
+        from lychee_pipeline.reranker.fast_vision import apply_selective_checkpointing
+
+        apply_selective_checkpointing(model, layers=checkpoint_choice.layers)
+        (log.info if checkpoint_choice.fits else log.warning)("%s", checkpoint_choice.describe())
     # Padded to whole global batches with zero-weight slots: every record once per epoch, on any N.
     sampler = EpochPermutation(len(records), train["seed"], accelerator.num_processes * train["per_device_batch_size"])
     trace_records = os.environ.get("LYCHEE_TRACE_RECORDS") == "1"  # tests: which records each step saw
     group_size = train["group_size"]
-
-    def collate(slots: list[Slot]) -> dict:
-        batch = collator([records[s.record] for s in slots])
-        batch["group_weight"] = torch.tensor([s.weight for s in slots])
-        batch["loss_scale"] = loss_scale(slots, accelerator.num_processes)
-        if trace_records:  # padding slots traced as -1
-            batch["record_index"] = torch.tensor([s.record if s.weight else -1 for s in slots])
-        return batch
-
+    batches = len(sampler) // train["per_device_batch_size"]
+    steps_per_epoch = max(1, math.ceil(batches / accelerator.num_processes / train["gradient_accumulation_steps"]))
+    total_steps = train["max_steps"] or max(1, math.ceil(train["epochs"] * steps_per_epoch))
+    collate = StageCollate(records, collator, train, steps_per_epoch, total_steps, accelerator.num_processes,
+                           trace_records)
+    loader_kwargs = memory.resolve_dataloader(train.get("dataloader"), accelerator.device.type,
+                                              memory.cpus_available(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    log.info("data loader: %s", ", ".join(f"{k}={v}" for k, v in loader_kwargs.items()))
     loader = DataLoader(
-        SlotDataset(len(records)),
+        SlotDataset(len(sampler)),
         batch_size=train["per_device_batch_size"],
         sampler=sampler,
         # Its own generator: creating an iterator draws a seed, which must not move the global RNG
         # (dropout) or a resumed run would diverge from an uninterrupted one.
         generator=torch.Generator().manual_seed(train["seed"]),
         collate_fn=collate,
+        **loader_kwargs,
     )
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=train["learning_rate"], weight_decay=train["weight_decay"])
-    steps_per_epoch = max(1, math.ceil(len(loader) / accelerator.num_processes / train["gradient_accumulation_steps"]))
-    total_steps = train["max_steps"] or max(1, math.ceil(train["epochs"] * steps_per_epoch))
+    # Fused AdamW skips a step on the device when told the loss or gradient is not finite (`found_inf`, as
+    # GradScaler does), so the loop need not read anything back from the GPU before stepping. DDP only: the
+    # DeepSpeed / FSDP templates wrap the optimizer, and there the check stays on the host, every step.
+    device_skip = train["launch"].get("strategy", "ddp") == "ddp"
+    optimizer = torch.optim.AdamW(trainable, lr=train["learning_rate"], weight_decay=train["weight_decay"],
+                                  **({"fused": True} if device_skip else {}))
     schedule = Schedule.for_run(train["scheduler"], total_steps, train["warmup_ratio"], train["learning_rate"])
     scheduler = schedule.scheduler(optimizer)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
@@ -188,16 +268,53 @@ def main(argv: list[str] | None = None) -> int:
     pairs_per_step = train["group_size"] * train["per_device_batch_size"] * train["gradient_accumulation_steps"]
     pairs_per_step *= accelerator.num_processes
     nonfinite_in_a_row, traced = 0, []
+    truncation = {k: 0 for k in collator.stats.as_dict()}  # summed from the batches (collated in any process)
+    inner_optimizer = getattr(optimizer, "optimizer", optimizer)
+    # Steps whose loss and gradient norm are still on the device: read back together (one sync) at the next
+    # logging step, checkpoint, the first and the last step; every step when the skip check is on the host.
+    pending: list[tuple[int, torch.Tensor]] = []
     model.train()
-    started, window_start, window_tokens = time.perf_counter(), time.perf_counter(), 0
+    started = time.perf_counter()
+    window_start, window_steps = started, 0  # since the last read-back (rates of the result)
+    log_start, log_steps, window_tokens = started, 0, 0  # since the last logging step
     train_time, steps_timed = 0.0, 0
     step_seconds = []  # [step, seconds] of every optimizer step, for the scaling report's equal windows
+    last = {"loss": float("nan"), "grad_norm": float("nan")}
+
+    def read_back() -> None:
+        """Move the pending steps' figures to the host: losses, skipped steps, the non-finite stop."""
+        nonlocal nonfinite_in_a_row
+        if not pending:
+            return
+        values = torch.stack([v for _, v in pending]).tolist()  # the one host synchronisation
+        for (done, _), (mean_loss, grad_norm) in zip(pending, values):
+            last.update(loss=mean_loss, grad_norm=grad_norm)
+            if math.isfinite(mean_loss) and math.isfinite(grad_norm):
+                losses.append([done, mean_loss])
+                nonfinite_in_a_row = 0
+                continue
+            skipped_steps.append([done, mean_loss, grad_norm])
+            nonfinite_in_a_row += 1
+            log.warning("step %d skipped: non-finite loss %s / gradient norm %s (%d in a row, %d in all)",
+                        done, mean_loss, grad_norm, nonfinite_in_a_row, len(skipped_steps))
+            tracker.log_metrics({"skipped_steps": len(skipped_steps)}, step=done)
+            if nonfinite_in_a_row >= train["max_nonfinite_steps"]:
+                newest = checkpoints.list_checkpoints(ckpt_root)
+                message = (
+                    f"stage {spec['stage']}: {nonfinite_in_a_row} non-finite steps in a row (steps "
+                    f"{done - nonfinite_in_a_row + 1}-{done}); last finite checkpoint: "
+                    f"{newest[0] if newest else 'none'}; resume with training.resume=true and a lower "
+                    "training.learning_rate"
+                )
+                log.error("%s", message)
+                raise NonFiniteStop(message)
+        pending.clear()
+
     epoch = step // steps_per_epoch
     while step < total_steps:
         # Through the prepared loader: Accelerate sets the sampler's epoch from its own counter on every
         # iteration, which would replay epoch 0's order after a resume.
         loader.set_epoch(epoch)
-        collator.set_epoch(epoch)
         skip = (step - epoch * steps_per_epoch) * train["gradient_accumulation_steps"]
         epoch_loader = accelerator.skip_first_batches(loader, skip) if skip > 0 else loader
         for batch in epoch_loader:
@@ -205,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
             batch.pop("group_size")
             group_weight, scale = batch.pop("group_weight"), batch.pop("loss_scale")
             record_index = batch.pop("record_index", None)
-            window_tokens += int(batch["attention_mask"].sum())
+            window_tokens += int(batch.pop("tokens"))  # counted by the collator on the host: no device sync
+            for key, count in batch.pop("truncation").items():
+                truncation[key] += int(count)
             if trace_records:  # every micro-batch of every rank, under the optimizer step it belongs to
                 traced.append([step + 1, accelerator.gather(record_index.to(accelerator.device)).tolist()])
             with accelerator.accumulate(model):
@@ -220,60 +339,56 @@ def main(argv: list[str] | None = None) -> int:
                 accelerator.backward(loss)
                 if not accelerator.sync_gradients:
                     continue
-                grad_norm = float(accelerator.clip_grad_norm_(trainable, train["max_grad_norm"]))
-                mean_loss = accelerator.reduce(loss.detach().float(), reduction="mean").item()
-                finite = math.isfinite(mean_loss) and math.isfinite(grad_norm)
-                if finite:  # a non-finite loss or gradient never reaches the weights
+                grad_norm = torch.as_tensor(accelerator.clip_grad_norm_(trainable, train["max_grad_norm"]),
+                                            device=accelerator.device).float()
+                mean_loss = accelerator.reduce(loss.detach().float(), reduction="mean")
+                figures = torch.stack([mean_loss, grad_norm.reshape(())])
+                if device_skip:  # a non-finite loss or gradient never reaches the weights, decided on the device
+                    inner_optimizer.found_inf = (~torch.isfinite(figures).all()).float()
+                    optimizer.step()
+                elif all(math.isfinite(v) for v in figures.tolist()):
                     optimizer.step()
                 scheduler.step()  # the schedule follows the run's step, skipped or not
                 optimizer.zero_grad()
             step += 1
-            collator.set_max_pixels(max_pixels_at(step / total_steps, schedule_pixels, train["max_pixels"]))
+            window_steps += 1
+            log_steps += 1
             learning_rates.append([step, scheduler.get_last_lr()[0]])
-            if finite:
-                losses.append([step, mean_loss])
-                nonfinite_in_a_row = 0
-            else:
-                skipped_steps.append([step, mean_loss, grad_norm])
-                nonfinite_in_a_row += 1
-                log.warning("step %d skipped: non-finite loss %s / gradient norm %s (%d in a row, %d in all)",
-                            step, mean_loss, grad_norm, nonfinite_in_a_row, len(skipped_steps))
-                tracker.log_metrics({"skipped_steps": len(skipped_steps)}, step=step)
-                if nonfinite_in_a_row >= train["max_nonfinite_steps"]:
-                    newest = checkpoints.list_checkpoints(ckpt_root)
-                    message = (
-                        f"stage {spec['stage']}: {nonfinite_in_a_row} non-finite steps in a row (steps "
-                        f"{step - nonfinite_in_a_row + 1}-{step}); last finite checkpoint: "
-                        f"{newest[0] if newest else 'none'}; resume with training.resume=true and a lower "
-                        "training.learning_rate"
-                    )
-                    log.error("%s", message)
-                    raise NonFiniteStop(message)
-            now = time.perf_counter()
-            elapsed, window_start = now - window_start, now
-            tokens = accelerator.reduce(torch.tensor(window_tokens, device=accelerator.device), reduction="sum").item()
-            window_tokens = 0
-            step_seconds.append([step, elapsed])
-            if step > 1:  # the first step carries warm-up cost; rates come from the rest
-                train_time, steps_timed = train_time + elapsed, steps_timed + 1
-            if accelerator.is_main_process and (step % train["log_every"] == 0 or step == total_steps):
-                figures = {
-                    "loss": mean_loss,
-                    "learning_rate": scheduler.get_last_lr()[0],
-                    "pairs_per_s": pairs_per_step / elapsed,
-                    "tokens_per_s": tokens / elapsed,
-                    "peak_mem_gib": peak_memory_gib(accelerator.device),
-                    "grad_norm": grad_norm,
-                }
-                tracker.log_metrics({k: v for k, v in figures.items() if math.isfinite(v)}, step=step)
-                eta = (total_steps - step) * (now - started) / max(1, step)
-                log.info(
-                    "step %d/%d loss %.4f lr %.2e pairs/s %.1f tokens/s %.0f ETA %ds",
-                    step, total_steps, mean_loss, figures["learning_rate"], figures["pairs_per_s"],
-                    figures["tokens_per_s"], int(eta),
-                )
+            pending.append((step, figures))
+            log_step = step % train["log_every"] == 0 or step == total_steps
+            checkpoint_step = step % train["checkpoint_every"] == 0 and step < total_steps
+            if not (device_skip and not log_step and not checkpoint_step and step > 1):
+                read_back()
+                now = time.perf_counter()
+                elapsed, window_start = now - window_start, now
+                # each step of the window since the last read-back: its mean time (no sync in between)
+                step_seconds.extend([done, elapsed / window_steps] for done in range(step - window_steps + 1, step + 1))
+                if step > 1:  # the first step carries warm-up cost; rates come from the rest
+                    train_time, steps_timed = train_time + elapsed, steps_timed + window_steps
+                if log_step:
+                    tokens = accelerator.reduce(torch.tensor(window_tokens, device=accelerator.device),
+                                                reduction="sum").item()
+                    log_elapsed, log_start = now - log_start, now
+                    if accelerator.is_main_process:
+                        figures_out = {
+                            "loss": last["loss"],
+                            "learning_rate": scheduler.get_last_lr()[0],
+                            "pairs_per_s": pairs_per_step * log_steps / log_elapsed,
+                            "tokens_per_s": tokens / log_elapsed,
+                            "peak_mem_gib": peak_memory_gib(accelerator.device),
+                            "grad_norm": last["grad_norm"],
+                        }
+                        tracker.log_metrics({k: v for k, v in figures_out.items() if math.isfinite(v)}, step=step)
+                        eta = (total_steps - step) * (now - started) / max(1, step)
+                        log.info(
+                            "step %d/%d loss %.4f lr %.2e pairs/s %.1f tokens/s %.0f ETA %ds",
+                            step, total_steps, last["loss"], figures_out["learning_rate"], figures_out["pairs_per_s"],
+                            figures_out["tokens_per_s"], int(eta),
+                        )
+                    window_tokens, log_steps = 0, 0
+                window_steps = 0
             # Never inside a run of non-finite steps: the newest checkpoint stays the last finite one.
-            if step % train["checkpoint_every"] == 0 and step < total_steps and nonfinite_in_a_row == 0:
+            if checkpoint_step and nonfinite_in_a_row == 0:
                 state = {"step": step, "losses": losses, "learning_rates": learning_rates,
                          "skipped_steps": skipped_steps}
                 save_checkpoint(accelerator, ckpt_root, step, state, train["keep_last"])
@@ -282,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             if step >= total_steps:
                 break
         epoch += 1
+    read_back()
 
     beat(step, "finishing")
     # Replicas must agree after DDP steps; gather one fingerprint per rank and compare.
@@ -293,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         adapter_dir = out_dir / "adapter"
         # Saved with the adapter: evaluation, the MLflow model and Reranker.from_pretrained score with these.
         trained_with = ProcessingConfig(max_length=train["max_length"], min_pixels=train["min_pixels"],
-                                        max_pixels=max_pixels_at(1.0, schedule_pixels, train["max_pixels"]))
+                                        max_pixels=max_pixels_at(1.0, collate.schedule, train["max_pixels"]))
         accelerator.unwrap_model(model).save_pretrained(adapter_dir, processing=trained_with)
         # sha256 of every adapter file: a re-run reuses this stage only while they still match.
         checkpoints.write_folder_manifest(adapter_dir, out_dir / ADAPTER_MANIFEST)
@@ -315,9 +431,12 @@ def main(argv: list[str] | None = None) -> int:
             "skipped_steps": skipped_steps,
             "final_loss": losses[-1][1] if losses else float("nan"),
             "replica_max_diff": replica_diff,
-            "truncation": collator.stats.as_dict(),
+            "truncation": truncation,
             "processing": trained_with.as_dict(),
             "negative_fill": collator.fill_stats.as_dict(),  # rank 0's groups (filled_slots: random negatives)
+            "dataloader": loader_kwargs,
+            "activation_checkpointing": (dataclasses.asdict(checkpoint_choice) if checkpoint_choice is not None
+                                         else spec["model"].get("activation_checkpointing")),
             "adapter_dir": str(adapter_dir),
             "adapter_manifest": str(out_dir / ADAPTER_MANIFEST),
             "spec_hash": spec.get("spec_hash"),

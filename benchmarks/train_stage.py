@@ -1,0 +1,384 @@
+"""A real training stage end to end, beside the isolated step at the same shape, in one run.
+
+    PYTHONPATH=src python benchmarks/train_stage.py                 # one CUDA GPU: 7B architecture, random weights
+    PYTHONPATH=src python benchmarks/train_stage.py --lengths 850   # one text length only (a shorter command)
+    PYTHONPATH=src python benchmarks/train_stage.py --tiny          # the same path on a CPU, in a few minutes
+
+What runs, per text length (~850 and ~1400 tokens per pair, 1 query + 1 document image each):
+
+1. Data: a model-input Parquet table (the contract schema) of generated documents, each with an 800x800
+   JPEG (quality 90) on disk; 1 positive + 9 negatives per record; groups of ``--group-size`` (8: 1 + 7).
+2. Model: the Qwen2.5-VL-7B architecture with random weights, saved once as a model folder with the built-in
+   tiny processor (same special tokens, chat template and image processing as Qwen2.5-VL), no hub.
+3. Stage: ``lychee_pipeline.training.launch.run_stage`` -> ``accelerate launch`` -> ``training/train.py``, the path
+   the pipeline's stage node takes: JPEGs decoded and collated in DataLoader workers, LoRA r16, bf16,
+   ``model.activation_checkpointing: auto`` within ``--memory-budget-gib``. pairs/s from its result.json
+   (steps after the first), peak memory as the stage reports it.
+4. Isolated step: the same model folder loaded in this process with the same checkpointed layers the stage
+   chose, the same collator on the same records, batches already on the device: forward, loss, backward,
+   clipping, fused AdamW, zero_grad; median of ``--step-steps`` after warm-up.
+
+Prints pairs/s of both, the ratio stage / step (target >= 0.95), peak GiB (target <= 40 with auto), the
+collator's host cost per group, and writes ``train_stage.json`` under ``--out`` ($OUT). Needs torch,
+transformers, peft, accelerate, datasets, pyarrow, Pillow, pyyaml; not kedro or mlflow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+WORDS = (
+    "red running shoes for women with a breathable mesh upper stainless steel water bottle that keeps drinks "
+    "cold wireless headphones noise cancelling long battery life wooden desk lamp warm light adjustable arm "
+    "cotton t-shirt blue size medium machine washable leather wallet six card slots coin pocket price free "
+    "shipping stars reviews black backpack many pockets product matches query same colour shape"
+).split()
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# data
+
+
+def make_jpegs(folder: Path, count: int, side: int, seed: int,
+               sizes: list[tuple[int, int]] | None = None) -> list[str]:
+    """``count`` distinct JPEGs (quality 90), side x side (or cycling through ``sizes``, (width, height)), that
+    look like product photos: a gradient background, a few filled shapes, fine noise (so they do not compress
+    to nothing)."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i in range(count):
+        width, height = sizes[i % len(sizes)] if sizes else (side, side)
+        yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
+        yy, xx = yy / height, xx / width
+        base = rng.uniform(40, 215, size=3)
+        tilt = rng.uniform(-60, 60, size=3)
+        pixels = base + tilt * (xx[..., None] * 0.6 + yy[..., None] * 0.4)
+        pixels += rng.normal(0, 6, size=(height, width, 3))
+        image = Image.fromarray(np.clip(pixels, 0, 255).astype("uint8"))
+        draw = ImageDraw.Draw(image)
+        for _ in range(6):
+            x0, y0 = rng.integers(0, width * 3 // 4), rng.integers(0, height * 3 // 4)
+            w, h = rng.integers(width // 10, width // 3), rng.integers(height // 10, height // 3)
+            colour = tuple(int(c) for c in rng.integers(0, 255, size=3))
+            (draw.ellipse if rng.random() < 0.5 else draw.rectangle)([int(x0), int(y0), int(x0 + w), int(y0 + h)],
+                                                                      fill=colour)
+        path = folder / f"doc_{i:04d}_{width}x{height}.jpg"
+        image.save(path, quality=90)
+        paths.append(str(path))
+    return paths
+
+
+def text_of_tokens(tokenizer, n_tokens: int, rng: torch.Generator) -> str:
+    words, count = [], 0
+    while count < n_tokens:
+        words += [WORDS[int(i)] for i in torch.randint(len(WORDS), (64,), generator=rng)]
+        count = len(tokenizer(" ".join(words), add_special_tokens=False)["input_ids"])
+    ids = tokenizer(" ".join(words), add_special_tokens=False)["input_ids"][:n_tokens]
+    return tokenizer.decode(ids).strip()
+
+
+def write_table(folder: Path, processor, images: list[str], records: int, negatives: int, tokens_per_pair: int,
+                max_pixels: int, min_pixels: int, seed: int) -> tuple[Path, list[int]]:
+    """Model-input rows whose pairs have ~``tokens_per_pair`` tokens (image tokens included), as the collator
+    counts them at ``max_pixels``. Returns the Parquet path and the token counts of the first record's pairs."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from lychee_pipeline.reranker.collate import PairCollator
+    from lychee_pipeline.reranker.prompt import instruction_for
+
+    collator = PairCollator(processor, max_length=8192, min_pixels=min_pixels, max_pixels=max_pixels)
+    rng = torch.Generator().manual_seed(seed)
+    instruction = instruction_for("t2it")
+    query = {"text": text_of_tokens(processor.tokenizer, 16, rng), "image": None}
+    overhead = collator.measure((query, {"text": "x", "image": images[0]}, instruction)) - 1
+    rows, n_img = [], 0
+    for r in range(records):
+        query = {"text": text_of_tokens(processor.tokenizer, 16, rng), "image": None}
+        docs = []
+        for d in range(1 + negatives):
+            jitter = 1 + (torch.rand((), generator=rng).item() * 2 - 1) * 0.05
+            n_doc = max(4, int(round(tokens_per_pair * jitter)) - overhead)
+            doc = {"doc_id": f"r{r}-d{d}", "text": text_of_tokens(processor.tokenizer, n_doc, rng),
+                   "image": images[n_img % len(images)], "meta": "{}"}
+            n_img += 1
+            if d:
+                doc["hard"] = d % 2 == 1
+            docs.append(doc)
+        rows.append({"record_id": f"r{r:05d}", "query": query, "positives": docs[:1], "negatives": docs[1:],
+                     "task_type": "t2it", "language": "en", "split": "train"})
+    path = folder / "train.parquet"
+    folder.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    first = rows[0]
+    counts = [collator.measure((first["query"], d, instruction)) for d in first["positives"] + first["negatives"]]
+    return path, counts
+
+
+# ----------------------------------------------------------------------------------------------
+# model folder
+
+
+def save_model_folder(folder: Path, tiny: bool, device: torch.device, dtype: torch.dtype) -> Path:
+    """The 7B (or tiny) architecture with random weights + the built-in tiny processor, as a model folder."""
+    from lychee_pipeline.reranker.model import load_processor, save_processor
+    from lychee_pipeline.reranker.tiny import ensure_tiny
+
+    if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file():
+        return folder
+    processor = load_processor(str(ensure_tiny(str(folder.parent / "tiny_processor"))))
+    tok = processor.tokenizer
+    ids = {
+        "image_token_id": tok.convert_tokens_to_ids("<|image_pad|>"),
+        "video_token_id": tok.convert_tokens_to_ids("<|video_pad|>"),
+        "vision_start_token_id": tok.convert_tokens_to_ids("<|vision_start|>"),
+        "vision_end_token_id": tok.convert_tokens_to_ids("<|vision_end|>"),
+    }
+    config = common.build_config(tiny=tiny, **ids)
+    model = common.build_model(config, device, dtype)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    save_processor(processor, tmp)
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    tmp.rename(folder)
+    return folder
+
+
+# ----------------------------------------------------------------------------------------------
+# the stage and the isolated step
+
+
+def training_params(args, max_steps: int) -> dict:
+    train = dict(
+        loss="listwise", temperature=0.05, group_size=args.group_size, per_device_batch_size=1,
+        gradient_accumulation_steps=1, learning_rate=1e-4, weight_decay=0.0, warmup_ratio=0.0,
+        scheduler="constant", max_grad_norm=1.0, max_nonfinite_steps=max_steps + 1, epochs=1.0,
+        max_steps=max_steps, seed=args.seed, max_length=args.max_length, min_pixels=args.min_pixels,
+        max_pixels=args.max_pixels, resolution_schedule=[], checkpoint_every=10**6, keep_last=1, resume=False,
+        reuse_finished=False, log_every=args.log_every, memory_budget_gib=args.memory_budget_gib,
+        dataloader={"num_workers": args.workers if args.workers == "auto" else int(args.workers),
+                    "prefetch_factor": "auto", "persistent_workers": "auto", "pin_memory": "auto"},
+        launch=dict(strategy="ddp", mixed_precision="auto", num_machines=1, machine_rank=0, main_process_ip=None,
+                    main_process_port=None, timeout_s=1800, process_group_timeout_s=600, threads_per_process=1),
+    )
+    try:  # validated as the pipeline validates it, where pydantic is installed
+        from lychee_pipeline.training.config import TrainingParams
+
+        train = TrainingParams(**train).model_dump()
+    except ImportError:
+        pass
+    return train
+
+
+def model_spec(args, folder: Path) -> dict:
+    ckpt = "auto" if args.checkpoint_layers == "auto" else True
+    layers = None if args.checkpoint_layers == "auto" else int(args.checkpoint_layers)
+    return {"name_or_path": str(folder), "finetune": "lora", "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05,
+            "activation_checkpointing": ckpt, "checkpoint_layers": layers, "attn_implementation": "sdpa",
+            "fast_path": True}
+
+
+def run_real_stage(args, work: Path, data: Path, folder: Path, device_type: str, label: str) -> dict:
+    from lychee_pipeline.training.launch import run_stage
+
+    spec = {"stage": f"bench_{label}", "data_path": str(data), "output_dir": str(work / f"stage_{label}"),
+            "model": model_spec(args, folder), "training": training_params(args, args.stage_steps)}
+    t0 = time.perf_counter()
+    result = run_stage(work / f"stage_{label}", spec, 1, device_type)
+    result["stage_wall_s_incl_launch_and_load"] = time.perf_counter() - t0
+    return result
+
+
+def isolated_step(args, data: Path, folder: Path, device: torch.device, layers: int) -> dict:
+    """The stage's step without the stage: same model folder, collator, records, checkpointed layers; inputs
+    collated beforehand and already on the device."""
+    import datasets
+
+    from lychee_pipeline.reranker import GroupCollator, ModelConfig, listwise_loss, load_reranker
+    from lychee_pipeline.reranker.fast_vision import apply_selective_checkpointing
+
+    records = datasets.Dataset.from_parquet(str(data))
+    cfg = ModelConfig(**{k: v for k, v in model_spec(args, folder).items()
+                         if k in {f.name for f in dataclasses.fields(ModelConfig)}} | {"activation_checkpointing": False})
+    t0 = time.perf_counter()
+    reranker = load_reranker(cfg, device)
+    load_s = time.perf_counter() - t0
+    apply_selective_checkpointing(reranker, layers=layers)
+    collator = GroupCollator(reranker.processor, group_size=args.group_size, max_length=args.max_length,
+                             min_pixels=args.min_pixels, max_pixels=args.max_pixels, seed=args.seed)
+    groups, collate_times = [], []
+    for i in range(args.step_groups):
+        t1 = time.perf_counter()
+        batch = collator([records[i]])
+        collate_times.append(time.perf_counter() - t1)
+        groups.append(common.to_device(batch, device))
+    tokens = statistics.mean(int(g["attention_mask"].sum()) for g in groups) / args.group_size
+    trainable = [p for p in reranker.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0, fused=True)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    reranker.train()
+
+    def step(i: int) -> None:
+        batch = dict(groups[i % len(groups)])
+        batch.pop("labels")
+        group_size = batch.pop("group_size")
+        with autocast:
+            loss = listwise_loss(reranker(**batch), group_size, 0.05)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    common.reset_peak(device)
+    times = common.time_steps(step, device, args.step_warmup, args.step_steps)
+    med = statistics.median(times)
+    out = {"pairs_per_s": args.group_size / med, "median_step_s": med, "peak_gib": common.peak_gib(device),
+           "tokens_per_pair": tokens, "checkpoint_layers": layers, "model_load_s": load_s,
+           "collate_ms_per_group": 1e3 * statistics.median(collate_times)}
+    del reranker, optimizer, groups, trainable
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny architecture on a CPU (the same code path)")
+    parser.add_argument("--lengths", default=None, help="tokens per pair, comma-separated (default 850,1400; "
+                                                        "tiny 120,200)")
+    parser.add_argument("--group-size", type=int, default=None, help="pairs per group (default 8; tiny 4)")
+    parser.add_argument("--records", type=int, default=None, help="records per table (default stage steps + 8)")
+    parser.add_argument("--stage-steps", type=int, default=None, help="optimizer steps of each stage (default 30; "
+                                                                       "tiny 8)")
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--step-groups", type=int, default=6, help="distinct groups of the isolated step")
+    parser.add_argument("--step-warmup", type=int, default=2)
+    parser.add_argument("--step-steps", type=int, default=None, help="timed isolated steps (default 10; tiny 4)")
+    parser.add_argument("--workers", default="auto", help="training.dataloader.num_workers of the stage")
+    parser.add_argument("--checkpoint-layers", default="auto", help="auto (the memory budget picks) or a count")
+    parser.add_argument("--memory-budget-gib", type=float, default=40.0)
+    parser.add_argument("--max-pixels", type=int, default=None, help="default 448*448 (tiny 112*112)")
+    parser.add_argument("--min-pixels", type=int, default=3136)
+    parser.add_argument("--max-length", type=int, default=3200)
+    parser.add_argument("--image-side", type=int, default=800)
+    parser.add_argument("--work-dir", type=Path, default=None, help="model folder, data, stages (default: a temp dir)")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder")
+    common.add_run_args(parser, seed=11)
+    args = parser.parse_args(argv)
+    device, dtype = common.pick_device(parser, args)
+    tiny = args.tiny
+    lengths = [int(x) for x in (args.lengths or ("120,200" if tiny else "850,1400")).split(",") if x.strip()]
+    args.group_size = args.group_size or (4 if tiny else 8)
+    args.stage_steps = args.stage_steps or (8 if tiny else 30)
+    args.step_steps = args.step_steps or (4 if tiny else 10)
+    args.max_pixels = args.max_pixels or ((112 * 112) if tiny else (448 * 448))
+    records = args.records or (args.stage_steps + 8)
+    if device.type == "cpu":  # as the stage's processes (training.launch.threads_per_process: 1)
+        torch.set_num_threads(1)
+    env = common.environment(device)
+    from lychee_pipeline.training.memory import cpus_available
+
+    env["cpus"] = str(cpus_available())
+    log(f"env {json.dumps(env)}")
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="lychee_stage_bench_"))
+    work.mkdir(parents=True, exist_ok=True)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+
+    t0 = time.perf_counter()
+    folder = save_model_folder(work / ("model_tiny" if tiny else "model_7b"), tiny, device, dtype)
+    log(f"model folder {folder} ready in {time.perf_counter() - t0:.1f} s")
+    from lychee_pipeline.reranker.model import load_processor
+
+    processor = load_processor(str(folder))
+    t0 = time.perf_counter()
+    images = make_jpegs(work / "images", 48, args.image_side, args.seed)
+    log(f"{len(images)} JPEGs of {args.image_side}x{args.image_side} in {time.perf_counter() - t0:.1f} s "
+        f"({sum(Path(p).stat().st_size for p in images) / len(images) / 1024:.0f} KiB each)")
+
+    results: dict = {"env": env, "args": {k: str(v) for k, v in vars(args).items()}, "lengths": {}}
+    for length in lengths:
+        label = f"{length}tok"
+        data, counts = write_table(work / f"data_{label}", processor, images, records, 9, length, args.max_pixels,
+                                   args.min_pixels, args.seed + length)
+        log(f"\n== {length} tokens/pair: {records} records, first group's pairs {min(counts)}-{max(counts)} tokens")
+        stage = run_real_stage(args, work, data, folder, device.type, label)
+        choice = stage.get("activation_checkpointing")
+        layers = choice["layers"] if isinstance(choice, dict) else (
+            int(args.checkpoint_layers) if args.checkpoint_layers != "auto" else 0)
+        peak_stage = max(stage["peak_mem_gib"])
+        log(f"stage: {stage['pairs_per_s']:.2f} pairs/s over steps 2-{stage['steps']}, peak {peak_stage:.1f} GiB, "
+            f"checkpointing {json.dumps(choice)}, data loader {stage.get('dataloader')}, "
+            f"wall incl. launch and load {stage['stage_wall_s_incl_launch_and_load']:.0f} s, "
+            f"loss {stage['losses'][0][1]:.4f} -> {stage['final_loss']:.4f}")
+        step = isolated_step(args, data, folder, device, layers)
+        ratio = stage["pairs_per_s"] / step["pairs_per_s"]
+        log(f"isolated step: {step['pairs_per_s']:.2f} pairs/s (median step {1e3 * step['median_step_s']:.0f} ms), "
+            f"peak {step['peak_gib']:.1f} GiB, {step['tokens_per_pair']:.0f} tokens/pair, "
+            f"collator {step['collate_ms_per_group']:.0f} ms/group on this host (one process)")
+        results["lengths"][label] = {
+            "stage": {k: stage[k] for k in ("pairs_per_s", "peak_mem_gib", "steps", "wall_time_s", "final_loss",
+                                            "truncation", "dataloader", "activation_checkpointing",
+                                            "stage_wall_s_incl_launch_and_load") if k in stage},
+            "stage_losses": stage["losses"],
+            "step": step, "ratio_stage_over_step": ratio,
+        }
+
+    log("")
+    log(f"train_stage summary ({env.get('gpu')}, torch {env['torch']}, transformers {env['transformers']}, "
+        f"{'tiny' if tiny else '7B'} architecture, random weights, LoRA r16, groups of {args.group_size}, "
+        f"{args.image_side}x{args.image_side} JPEG per document, max_pixels {args.max_pixels})")
+    log(f"{'length':>8} {'tok/pair':>8} {'stage p/s':>10} {'step p/s':>9} {'ratio':>6} {'stage GiB':>10} "
+        f"{'step GiB':>9} {'ckpt':>5}  verdict")
+    ok_all = True
+    for label, r in results["lengths"].items():
+        stage_peak = max(r["stage"]["peak_mem_gib"])
+        ok = r["ratio_stage_over_step"] >= 0.95 and (stage_peak <= args.memory_budget_gib or device.type != "cuda")
+        ok_all &= ok
+        log(f"{label:>8} {r['step']['tokens_per_pair']:8.0f} {r['stage']['pairs_per_s']:10.2f} "
+            f"{r['step']['pairs_per_s']:9.2f} {r['ratio_stage_over_step']:6.2f} {stage_peak:10.1f} "
+            f"{r['step']['peak_gib']:9.1f} {r['step']['checkpoint_layers']:>5}  "
+            f"{'target met' if ok else 'TARGET MISSED'} (stage >= 0.95 x step, peak <= {args.memory_budget_gib:.0f} GiB)")
+    if device.type != "cuda":
+        log("(CPU: peak is the process's max RSS in GiB; the targets are for one H200)")
+    results["targets_met"] = ok_all
+    if args.out is not None:
+        (args.out / ("train_stage_tiny.json" if tiny else "train_stage.json")).write_text(
+            json.dumps(results, indent=1, default=str) + "\n")
+    if not args.keep and args.work_dir is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Sizing decisions a stage takes at start-up: how many decoder layers to checkpoint (from a memory budget)
+and how the DataLoader runs (worker processes, prefetch, pinned memory). Pure functions, unit-tested.
+
+Activation model (per device, bf16 training, LoRA or frozen base, the project's step: last-position logits,
+frozen vision tower without autograd)::
+
+    peak ≈ weights + T · hidden · (BASE + KEPT · (layers − checkpointed))        bytes
+
+``T`` = tokens of the longest micro-batch the data produces (padded: rows × longest row), ``hidden`` the
+language model's hidden size. ``KEPT`` is what one decoder layer that keeps its activations costs per token
+and hidden unit; ``BASE`` everything else that grows with tokens (checkpointed layer inputs, the layer being
+recomputed, attention and MLP transients, the vision tower's output, allocator slack).
+
+Calibration, Qwen2.5-VL-7B on one H200 (docs/benchmarks.md, docs field notes 2026-12-02/03; groups of 8):
+
+* the isolated step at 853 real tokens/pair (7,770 padded tokens a group): 20.4 GiB with 28/28 layers
+  checkpointed, 39.9 GiB with 16, 50.6 GiB with 10 -> one kept layer costs 1.68 GiB at 7,770 tokens:
+  KEPT ≈ 65 bytes per token and hidden unit;
+* a real stage with 17/28 layers checkpointed: 33.3 GiB at 867 tokens/pair, 44.3 GiB at 1409 tokens/pair ->
+  2.6 MiB per token at 11 kept layers, intercept 15.7 GiB ≈ the 8.29B bf16 weights (15.4 GiB):
+  BASE + 11·KEPT ≈ 760 bytes per token and hidden unit -> BASE ≈ 45.
+
+Under this model the 1409-token case needs 19 checkpointed layers for 40 GiB (17 overshot, as measured);
+the chooser keeps ``margin`` (5% of the budget by default) in hand, which makes it 20. The isolated step
+(synthetic inputs, more padding) sits ~3-5 GiB above this model: the benchmark prints both peaks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+GIB = 2**30
+BASE_BYTES_PER_TOKEN_HIDDEN = 45.0
+KEPT_LAYER_BYTES_PER_TOKEN_HIDDEN = 65.0
+
+
+@dataclass(frozen=True)
+class CheckpointChoice:
+    layers: int  # decoder layers checkpointed (0 = off)
+    num_layers: int
+    predicted_peak_gib: float
+    budget_gib: float
+    tokens: int  # tokens of the longest micro-batch the choice was made for
+    fits: bool  # False: even with every layer checkpointed the prediction exceeds the budget
+
+    def describe(self) -> str:
+        return (f"activation checkpointing auto: {self.layers}/{self.num_layers} decoder layers checkpointed for "
+                f"{self.tokens} tokens per micro-batch; predicted peak {self.predicted_peak_gib:.1f} GiB of a "
+                f"{self.budget_gib:.1f} GiB budget" + ("" if self.fits else " (OVER budget even with all layers)"))
+
+
+def predicted_peak_gib(tokens: int, hidden: int, num_layers: int, checkpointed: int, weight_bytes: int,
+                       base: float = BASE_BYTES_PER_TOKEN_HIDDEN,
+                       kept: float = KEPT_LAYER_BYTES_PER_TOKEN_HIDDEN) -> float:
+    """Peak device memory (GiB) predicted by the activation model above."""
+    kept_layers = num_layers - max(0, min(num_layers, checkpointed))
+    return (weight_bytes + tokens * hidden * (base + kept * kept_layers)) / GIB
+
+
+def choose_checkpoint_layers(tokens: int, hidden: int, num_layers: int, weight_bytes: int, budget_gib: float,
+                             margin: float = 0.05, base: float = BASE_BYTES_PER_TOKEN_HIDDEN,
+                             kept: float = KEPT_LAYER_BYTES_PER_TOKEN_HIDDEN) -> CheckpointChoice:
+    """The fewest checkpointed decoder layers whose predicted peak is within ``budget_gib · (1 − margin)``.
+
+    Fewer checkpointed layers = less recomputation = a faster step, so the smallest count that fits wins.
+    If none fits, every layer is checkpointed and ``fits`` is False (the caller logs a warning).
+    """
+    if tokens < 0 or hidden <= 0 or num_layers < 0 or budget_gib <= 0:
+        raise ValueError("tokens, hidden, num_layers and budget_gib must be positive")
+    limit = budget_gib * (1.0 - margin)
+    for k in range(num_layers + 1):
+        peak = predicted_peak_gib(tokens, hidden, num_layers, k, weight_bytes, base, kept)
+        if peak <= limit:
+            return CheckpointChoice(k, num_layers, peak, budget_gib, int(tokens), True)
+    peak = predicted_peak_gib(tokens, hidden, num_layers, num_layers, weight_bytes, base, kept)
+    return CheckpointChoice(num_layers, num_layers, peak, budget_gib, int(tokens), False)
+
+
+def cpus_available() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def resolve_dataloader(params: dict | None, device_type: str, cpus: int, local_processes: int) -> dict:
+    """DataLoader keyword arguments from ``training.dataloader`` (``auto`` values resolved).
+
+    ``auto``: on CUDA min(4, CPUs per process − 1) workers (one CPU stays with the training loop), prefetch 2
+    per worker, persistent workers, pinned memory; on CPU 0 workers (collation competes with the model for the
+    same cores), no pinning. Explicit values are kept; prefetch/persistence are dropped without workers
+    (PyTorch refuses them).
+    """
+    params = dict(params or {})
+    per_process = max(1, cpus // max(1, local_processes))
+    workers = params.get("num_workers", "auto")
+    if workers == "auto":
+        workers = min(4, per_process - 1) if device_type == "cuda" else 0
+    workers = max(0, int(workers))
+    pin = params.get("pin_memory", "auto")
+    pin = device_type == "cuda" if pin == "auto" else bool(pin)
+    out = {"num_workers": workers, "pin_memory": pin and device_type == "cuda"}
+    if workers > 0:
+        prefetch = params.get("prefetch_factor", "auto")
+        persistent = params.get("persistent_workers", "auto")
+        out["prefetch_factor"] = 2 if prefetch == "auto" else int(prefetch)
+        out["persistent_workers"] = True if persistent == "auto" else bool(persistent)
+    return out
+
+
+def longest_micro_batch_tokens(pair_tokens: list[int], pairs_per_micro_batch: int) -> int:
+    """Padded tokens of the worst micro-batch: every row padded to the longest pair seen."""
+    if not pair_tokens:
+        return 0
+    return int(max(pair_tokens)) * int(pairs_per_micro_batch)
+
+
+def weights_bytes(model) -> int:
+    """Bytes of every parameter and buffer on the model's device(s)."""
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        total += t.numel() * t.element_size()
+    return int(total)
+

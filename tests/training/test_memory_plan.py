@@ -1,0 +1,67 @@
+"""Start-up sizing: checkpointed layers from the memory budget, DataLoader settings from `auto`."""
+
+from __future__ import annotations
+
+import pytest
+
+from lychee_pipeline.training.config import DataLoaderParams, ModelParams, TrainingParams
+from lychee_pipeline.training.memory import choose_checkpoint_layers, predicted_peak_gib, resolve_dataloader
+
+SEVEN_B = dict(hidden=3584, num_layers=28, weight_bytes=int(8.292e9 * 2))  # bf16 weights of the 7B
+
+
+def test_the_model_reproduces_the_h200_measurements_it_was_calibrated_on():
+    """Real stages with 17/28 layers checkpointed, groups of 8 (field notes, 2026-12-03)."""
+    assert predicted_peak_gib(8 * 867, checkpointed=17, **SEVEN_B) == pytest.approx(33.3, abs=1.0)
+    assert predicted_peak_gib(8 * 1409, checkpointed=17, **SEVEN_B) == pytest.approx(44.3, abs=1.0)
+    # one more kept layer costs what the isolated step's sweep measured (1.68 GiB at 7,770 padded tokens)
+    one_layer = (predicted_peak_gib(7770, checkpointed=16, **SEVEN_B)
+                 - predicted_peak_gib(7770, checkpointed=17, **SEVEN_B))
+    assert one_layer == pytest.approx(1.68, abs=0.25)
+
+
+def test_long_pairs_get_more_checkpointed_layers_and_stay_in_the_budget():
+    short = choose_checkpoint_layers(8 * 853, budget_gib=40, **SEVEN_B)
+    long = choose_checkpoint_layers(8 * 1409, budget_gib=40, **SEVEN_B)
+    assert short.fits and long.fits
+    assert long.layers > 17  # the fixed 17 of the field run overshot 40 GiB at 1409 tokens/pair
+    assert short.layers < long.layers
+    for choice in (short, long):
+        assert choice.predicted_peak_gib <= 40 * 0.95
+        # the fewest layers that fit: one fewer would not
+        assert predicted_peak_gib(choice.tokens, checkpointed=choice.layers - 1, **SEVEN_B) > 40 * 0.95
+    assert "decoder layers checkpointed" in long.describe() and "40.0 GiB budget" in long.describe()
+
+
+def test_a_large_budget_turns_checkpointing_off_and_an_impossible_one_checkpoints_everything():
+    assert choose_checkpoint_layers(8 * 853, budget_gib=140, **SEVEN_B).layers == 0
+    tight = choose_checkpoint_layers(8 * 3200, budget_gib=20, **SEVEN_B)
+    assert tight.layers == 28 and not tight.fits and "OVER budget" in tight.describe()
+    tiny = choose_checkpoint_layers(552, hidden=64, num_layers=4, weight_bytes=40_000_000, budget_gib=40)
+    assert tiny.layers == 0 and tiny.fits
+    with pytest.raises(ValueError):
+        choose_checkpoint_layers(100, hidden=0, num_layers=4, weight_bytes=1, budget_gib=40)
+
+
+def test_dataloader_auto_uses_workers_on_cuda_only():
+    auto = DataLoaderParams().model_dump()
+    assert resolve_dataloader(auto, "cuda", cpus=16, local_processes=1) == {
+        "num_workers": 4, "pin_memory": True, "prefetch_factor": 2, "persistent_workers": True}
+    assert resolve_dataloader(auto, "cuda", cpus=16, local_processes=8)["num_workers"] == 1  # 2 CPUs per GPU
+    assert resolve_dataloader(auto, "cuda", cpus=8, local_processes=8) == {"num_workers": 0, "pin_memory": True}
+    assert resolve_dataloader(auto, "cpu", cpus=2, local_processes=1) == {"num_workers": 0, "pin_memory": False}
+    explicit = resolve_dataloader({"num_workers": 2, "prefetch_factor": 3, "persistent_workers": False,
+                                   "pin_memory": True}, "cpu", cpus=2, local_processes=1)
+    assert explicit == {"num_workers": 2, "pin_memory": False, "prefetch_factor": 3, "persistent_workers": False}
+
+
+def test_parameters_accept_auto_and_refuse_nonsense():
+    assert ModelParams().activation_checkpointing == "auto"
+    assert ModelParams(activation_checkpointing=True).activation_checkpointing is True
+    assert TrainingParams().memory_budget_gib == 40.0
+    assert TrainingParams(dataloader={"num_workers": 3}).dataloader.num_workers == 3
+    for bad in ({"dataloader": {"num_workers": -1}}, {"dataloader": {"workers": 2}}, {"memory_budget_gib": 0}):
+        with pytest.raises(ValueError):
+            TrainingParams(**bad)
+    with pytest.raises(ValueError):
+        ModelParams(activation_checkpointing="sometimes")
