@@ -141,7 +141,7 @@ def _params_and_pipelines():
          "--params training.learning_rate is not used by the smoke pipeline: smoke.training.learning_rate"),
         ("smoke", "training.max_steps", "set smoke.training.max_steps instead"),
         ("full", "smoke.training.max_steps", "--params smoke.training.max_steps is not read by the full pipeline"),
-        ("evaluation", "training.learning_rate", "is not read by the evaluation pipeline"),
+        ("evaluation", "stages.default_check_steps", "is not read by the evaluation pipeline"),  # it reads training (processing)
         ("full", "trainng.learning_rate", "trainng.learning_rate is not a parameter of this project"),
         ("data", "max_queries", "it reads evaluation.max_queries"),
     ],

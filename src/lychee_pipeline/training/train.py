@@ -119,7 +119,7 @@ def resolve_activation_checkpointing(model, collator: GroupCollator, records, tr
     keys = [slot.record for slot in list(order)[: min(sample, len(records))]]
     lengths = []
     for i in keys:
-        group = sample_group(records[int(i)], collator.group_size, 0, collator.seed)
+        group = sample_group(records[int(i)], collator.group_size, 0, collator.seed, fill_pool=collator.fill_pool)
         task_type = group["task_type"] or task_type_of(group["query"], group["docs"][0])
         instruction = instruction_for(task_type, collator.pairs.instructions)
         lengths += [collator.pairs.measure((group["query"], doc, instruction)) for doc in group["docs"]]
