@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -177,9 +178,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         os.replace(tmp, out)
     state.wait_for_everyone()
     if state.num_processes > 1:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
+        # Every rank is past the last collective and rank 0 has written the result. Leave without running
+        # gloo's C++ teardown: when one rank tears down while another still does, it can abort the process
+        # ("terminate called without an active exception", SIGABRT, seen once in CI on 2 CPU processes) and
+        # fail a finished scoring launch. Nothing is left to flush but the log streams.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
