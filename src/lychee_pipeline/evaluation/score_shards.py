@@ -22,12 +22,14 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from lychee_pipeline.training.heartbeat import Heartbeat
 
 log = logging.getLogger("lychee_pipeline.evaluation.score_shards")
 
@@ -71,7 +73,8 @@ def read_scores(path: Path | str) -> list[float]:
     return pq.read_table(path).column("score").to_pylist()
 
 
-def score_pairs_in_slices(reranker: Any, pairs: Sequence[Any], progress: str | None = None) -> list[float]:
+def score_pairs_in_slices(reranker: Any, pairs: Sequence[Any], progress: str | None = None,
+                          on_slice: Callable[[int], None] | None = None) -> list[float]:
     """``reranker.score_pairs`` over large slices (its length sorting works inside each slice).
 
     With ``progress``: a bar on a terminal; when the output is a file, a log line every
@@ -85,6 +88,8 @@ def score_pairs_in_slices(reranker: Any, pairs: Sequence[Any], progress: str | N
     started = last = time.monotonic()
     for start in bar:
         values.extend(reranker.score_pairs(pairs[start : start + SLICE]))
+        if on_slice is not None:
+            on_slice(len(values))
         now = time.monotonic()
         if progress and bar.disable and (now - last >= PROGRESS_EVERY_S or len(values) == len(pairs)):
             elapsed = now - started
@@ -111,8 +116,13 @@ def _load(job: Mapping[str, Any], device: str) -> Any:
     return Reranker.from_pretrained(str(job["name_or_path"]), **options)
 
 
-def run_job(job: Mapping[str, Any], state: Any) -> dict[str, Any]:
-    """Score one model's pairs on this process's shard; rank 0 gathers and writes the scores."""
+def run_job(job: Mapping[str, Any], state: Any, beat: Callable[[int, str], None] = lambda step, phase: None
+            ) -> dict[str, Any]:
+    """Score one model's pairs on this process's shard; rank 0 gathers and writes the scores.
+
+    ``beat(pairs scored, phase)`` after every slice: the launcher's watchdog stops a launch whose ranks are
+    silent for ``training.launch.watchdog_s``, so a scoring launch of hours must show its progress too.
+    """
     import torch.distributed as dist
 
     distributed = state.num_processes > 1
@@ -123,8 +133,10 @@ def run_job(job: Mapping[str, Any], state: Any) -> dict[str, Any]:
     mine = shard(len(pairs), state.process_index, state.num_processes)
     reranker = _load(job, str(state.device))
     loaded = time.perf_counter()
+    beat(0, "step")  # loaded: from here on the watchdog's limit is watchdog_s between slices
     scores = score_pairs_in_slices(reranker, [pairs[i] for i in mine],
-                                   f"rank {state.process_index}: {job['name']}" if state.is_main_process else None)
+                                   f"rank {state.process_index}: {job['name']}" if state.is_main_process else None,
+                                   on_slice=lambda done: beat(done, "step"))
     scored = time.perf_counter()
     log.info("%s: shard of %d/%d pairs scored in %.2f s", job["name"], len(mine), len(pairs), scored - loaded)
     del reranker
@@ -169,7 +181,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     import torch
 
     torch.manual_seed(0)
-    results = [run_job(job, state) for job in spec["jobs"]]
+    beat = Heartbeat(spec["output_dir"], state.process_index, str(state.distributed_type))  # the launcher's watchdog
+    beat(0, "started")
+    results = [run_job(job, state, beat) for job in spec["jobs"]]
     if state.is_main_process:
         out = Path(spec["output_dir"]) / "result.json"
         tmp = out.with_suffix(".tmp")
@@ -177,11 +191,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                                   indent=1))
         os.replace(tmp, out)
     state.wait_for_everyone()
+    beat(0, "leaving")  # past the final barrier
     if state.num_processes > 1:
         # Every rank is past the last collective and rank 0 has written the result. Leave without running
         # gloo's C++ teardown: when one rank tears down while another still does, it can abort the process
         # ("terminate called without an active exception", SIGABRT, seen once in CI on 2 CPU processes) and
         # fail a finished scoring launch. Nothing is left to flush but the log streams.
+        beat(0, "done")
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -30,6 +30,7 @@ from lychee_pipeline.pipelines.evaluation.nodes import (
     score_test_set,
 )
 from lychee_pipeline.reranker.tiny import ensure_tiny
+from lychee_pipeline.training.heartbeat import read_heartbeats
 
 ROOT = Path(__file__).resolve().parents[3]
 PARAMS = yaml.safe_load((ROOT / "conf/base/parameters_evaluation.yml").read_text())["evaluation"]
@@ -98,6 +99,9 @@ def test_two_cpu_processes_give_the_single_process_scores(scoring_env):
     assert one["score"].nunique() > 5  # real, distinct scores, not a constant
     # it really ran through `accelerate launch` with two ranks, each scoring its shard
     log = (tmp_path / "scoring" / "launch.log").read_text()
+    # each rank showed the launcher's watchdog its progress (a silent scoring launch is stopped), and left
+    beats = read_heartbeats(tmp_path / "scoring")
+    assert sorted(beats) == [0, 1] and all(b["phase"] == "done" for b in beats.values()), beats
     assert "[rank 0]" in log and "[rank 1]" in log
     result = json.loads((tmp_path / "scoring" / "result.json").read_text())
     assert result["processes"] == 2 and len(result["jobs"][0]["rank_scoring_seconds"]) == 2
