@@ -68,6 +68,20 @@ class Shape:
         return Shape(group_size=8, text_tokens=60, text_jitter=0.25, image_side=224, query_tokens=12)
 
 
+# Product-like words of the generated texts (train_stage.py, inference.py).
+WORDS = (
+    "red running shoes for women with a breathable mesh upper stainless steel water bottle that keeps drinks "
+    "cold wireless headphones noise cancelling long battery life wooden desk lamp warm light adjustable arm "
+    "cotton t-shirt blue size medium machine washable leather wallet six card slots coin pocket price free "
+    "shipping stars reviews black backpack many pockets product matches query same colour shape"
+).split()
+
+
+def log(msg: str) -> None:
+    """A progress line, flushed at once (the reply of a device run carries the end of the output)."""
+    print(msg, flush=True)
+
+
 def build_config(tiny: bool = False, **token_ids: int):
     """Qwen2_5_VLConfig with the published 7B dimensions (or the tiny miniature); random init only.
 

@@ -51,16 +51,7 @@ from lychee_pipeline.reranker.inference import Reranker  # noqa: E402
 from lychee_pipeline.reranker.model import LycheeReranker, ModelConfig, load_processor, single_token_id  # noqa: E402
 from lychee_pipeline.reranker.tiny import ensure_tiny  # noqa: E402
 
-WORDS = (
-    "red running shoes for women with a breathable mesh upper stainless steel water bottle that keeps drinks "
-    "cold wireless headphones noise cancelling long battery life wooden desk lamp warm light adjustable arm "
-    "cotton t-shirt blue size medium machine washable leather wallet six card slots coin pocket price free "
-    "shipping stars reviews black backpack many pockets product matches query same colour shape"
-).split()
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
+WORDS, log = common.WORDS, common.log
 
 
 def make_pairs(processor, n_queries: int, docs_per_query: int, text_tokens: int, jitter: float, side: int, seed: int,

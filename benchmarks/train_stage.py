@@ -41,16 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-WORDS = (
-    "red running shoes for women with a breathable mesh upper stainless steel water bottle that keeps drinks "
-    "cold wireless headphones noise cancelling long battery life wooden desk lamp warm light adjustable arm "
-    "cotton t-shirt blue size medium machine washable leather wallet six card slots coin pocket price free "
-    "shipping stars reviews black backpack many pockets product matches query same colour shape"
-).split()
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
+WORDS, log = common.WORDS, common.log
 
 
 # ----------------------------------------------------------------------------------------------

@@ -484,6 +484,13 @@ class GroupCollator:
     def set_max_pixels(self, max_pixels: int) -> None:
         self.pairs.set_max_pixels(max_pixels)
 
+    def group_pairs(self, group: Mapping[str, Any]) -> list[tuple[Any, Any, str]]:
+        """``(query, doc, instruction)`` of a sampled group: every document under its record's task type (or,
+        without one, the positive's), the rule scoring follows when given the record's task type."""
+        task_type = group["task_type"] or task_type_of(group["query"], group["docs"][0])
+        instruction = instruction_for(task_type, self.pairs.instructions)
+        return [(group["query"], doc, instruction) for doc in group["docs"]]
+
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         pairs = []
         for row in rows:
@@ -491,9 +498,7 @@ class GroupCollator:
             self.fill_stats.groups += 1
             self.fill_stats.filled_groups += bool(group["filled"])
             self.fill_stats.filled_slots += group["filled"]
-            task_type = group["task_type"] or task_type_of(group["query"], group["docs"][0])
-            instruction = instruction_for(task_type, self.pairs.instructions)
-            pairs.extend((group["query"], doc, instruction) for doc in group["docs"])
+            pairs.extend(self.group_pairs(group))
         batch = self.pairs(pairs)
         labels = torch.zeros(len(pairs), dtype=torch.float32)
         labels[:: self.group_size] = 1.0

@@ -27,7 +27,6 @@ from torch.utils.data import DataLoader
 from lychee_pipeline.reranker import GroupCollator, ModelConfig, listwise_loss, load_reranker, pointwise_loss
 from lychee_pipeline.reranker.collate import max_pixels_at, sample_group
 from lychee_pipeline.reranker.processing import ProcessingConfig
-from lychee_pipeline.reranker.prompt import instruction_for, task_type_of
 from lychee_pipeline.tracking import StageTracker
 from lychee_pipeline.training import checkpoints, memory
 from lychee_pipeline.training.heartbeat import Heartbeat  # read by the launcher's watchdog (launch.py)
@@ -120,9 +119,7 @@ def resolve_activation_checkpointing(model, collator: GroupCollator, records, tr
     lengths = []
     for i in keys:
         group = sample_group(records[int(i)], collator.group_size, 0, collator.seed, fill_pool=collator.fill_pool)
-        task_type = group["task_type"] or task_type_of(group["query"], group["docs"][0])
-        instruction = instruction_for(task_type, collator.pairs.instructions)
-        lengths += [collator.pairs.measure((group["query"], doc, instruction)) for doc in group["docs"]]
+        lengths += [collator.pairs.measure(pair) for pair in collator.group_pairs(group)]
     collator.set_max_pixels(saved)
     from lychee_pipeline.reranker.fast_vision import decoder_layers
 
