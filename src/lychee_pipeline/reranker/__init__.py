@@ -22,6 +22,9 @@ _EXPORTS = {
     "max_pixels_at": "collate",
     "pointwise_loss": "losses",
     "listwise_loss": "losses",
+    "LossOptions": "losses",
+    "get_loss": "losses",
+    "register_loss": "losses",
     "Reranker": "inference",
     "ProcessingConfig": "processing",
 }

@@ -1,11 +1,23 @@
-"""Reranker losses, computed in fp32 whatever the model's dtype.
+"""Reranker losses, computed in fp32 whatever the model's dtype, and the registry training picks them from.
 
 ``logits`` are the (yes, no) logits of :class:`~lychee_pipeline.reranker.model.LycheeReranker`,
 Tensor[N, 2], with documents grouped as the group collator lays them out: ``N = B * G``, the
 positive first in each group of ``G``.
+
+Adding a loss is one function under a name (``training.loss`` then accepts the name)::
+
+    @register_loss("my_loss")
+    def my_loss(logits, labels, group_weight, options: LossOptions) -> torch.Tensor: ...
+
+``labels`` [N] are 1 for the positive and 0 for negatives, ``group_weight`` [B] is 0 for a padding
+slot of an epoch and 1 otherwise (a group of weight 0 must add nothing to the loss or its gradient),
+and the result is the mean over the micro-batch's B groups (the trainer scales it to the global batch).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -70,3 +82,53 @@ def listwise_loss(
     scores = group_scores(logits, score).view(-1, group_size) / float(temperature)
     target = torch.zeros(scores.size(0), dtype=torch.long, device=scores.device)
     return _weighted_mean(F.cross_entropy(scores, target, reduction="none"), weights)
+
+
+# ----------------------------------------------------------------------------------------------
+# the registry
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """What a registered loss may read besides the batch: the group layout and the loss settings of training."""
+
+    group_size: int  # documents per group, the positive first
+    temperature: float = 1.0  # listwise: scores are divided by it
+
+
+LossFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LossOptions], torch.Tensor]
+LOSSES: dict[str, LossFunction] = {}
+
+
+def register_loss(name: str) -> Callable[[LossFunction], LossFunction]:
+    """Decorator: make ``fn(logits, labels, group_weight, options)`` the loss called ``name``."""
+
+    def register(fn: LossFunction) -> LossFunction:
+        if name in LOSSES and LOSSES[name] is not fn:
+            raise ValueError(f"a loss named {name!r} is already registered ({LOSSES[name].__qualname__})")
+        LOSSES[name] = fn
+        return fn
+
+    return register
+
+
+def get_loss(name: str) -> LossFunction:
+    """The loss registered as ``name``; an unknown name is a one-line error naming the known ones."""
+    try:
+        return LOSSES[name]
+    except KeyError:
+        raise ValueError(f"unknown loss {name!r}; known losses: {', '.join(sorted(LOSSES))}") from None
+
+
+@register_loss("pointwise")
+def pointwise(logits: torch.Tensor, labels: torch.Tensor, group_weight: torch.Tensor,
+              options: LossOptions) -> torch.Tensor:
+    """:func:`pointwise_loss`, every document weighed by its group's weight."""
+    return pointwise_loss(logits, labels, group_weight.repeat_interleave(options.group_size))
+
+
+@register_loss("listwise")
+def listwise(logits: torch.Tensor, labels: torch.Tensor, group_weight: torch.Tensor,
+             options: LossOptions) -> torch.Tensor:
+    """:func:`listwise_loss` at ``options.temperature`` (the positive is first in every group, labels unused)."""
+    return listwise_loss(logits, options.group_size, options.temperature, weights=group_weight)

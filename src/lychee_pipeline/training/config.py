@@ -72,7 +72,7 @@ class DataLoaderParams(_Strict):
 
 
 class TrainingParams(_Strict):
-    loss: Literal["pointwise", "listwise"] = "pointwise"
+    loss: str = "pointwise"  # a name registered in reranker/losses.py (pointwise, listwise, ...)
     temperature: float = Field(0.05, gt=0.0)
     group_size: int = Field(8, ge=2)
     # a record with fewer than group_size - 1 negatives: fill its group with other records' documents
@@ -101,6 +101,14 @@ class TrainingParams(_Strict):
     memory_budget_gib: float = Field(40.0, gt=0.0)  # per device, for model.activation_checkpointing: auto
     dataloader: DataLoaderParams = DataLoaderParams()
     launch: LaunchParams = LaunchParams()
+
+    @field_validator("loss")
+    @classmethod
+    def _registered_loss(cls, value: str) -> str:
+        from lychee_pipeline.reranker.losses import get_loss  # torch: imported only once a loss name is checked
+
+        get_loss(value)
+        return value
 
     @model_validator(mode="after")
     def _pixels_ordered(self) -> "TrainingParams":

@@ -24,8 +24,9 @@ from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwa
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
-from lychee_pipeline.reranker import GroupCollator, ModelConfig, listwise_loss, load_reranker, pointwise_loss
+from lychee_pipeline.reranker import GroupCollator, ModelConfig, load_reranker
 from lychee_pipeline.reranker.collate import max_pixels_at, sample_group
+from lychee_pipeline.reranker.losses import LossOptions, get_loss
 from lychee_pipeline.reranker.processing import ProcessingConfig
 from lychee_pipeline.tracking import StageTracker
 from lychee_pipeline.training import checkpoints, memory
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     # Padded to whole global batches with zero-weight slots: every record once per epoch, on any N.
     sampler = EpochPermutation(len(records), train["seed"], accelerator.num_processes * train["per_device_batch_size"])
     trace_records = os.environ.get("LYCHEE_TRACE_RECORDS") == "1"  # tests: which records each step saw
-    group_size = train["group_size"]
+    compute_loss, loss_options = get_loss(train["loss"]), LossOptions(train["group_size"], train["temperature"])
     batches = len(sampler) // train["per_device_batch_size"]
     steps_per_epoch = max(1, math.ceil(batches / accelerator.num_processes / train["gradient_accumulation_steps"]))
     total_steps = train["max_steps"] or max(1, math.ceil(train["epochs"] * steps_per_epoch))
@@ -326,10 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                 traced.append([step + 1, accelerator.gather(record_index.to(accelerator.device)).tolist()])
             with accelerator.accumulate(model):
                 logits = model(**batch)
-                if train["loss"] == "pointwise":
-                    loss = pointwise_loss(logits, labels, group_weight.repeat_interleave(group_size))
-                else:
-                    loss = listwise_loss(logits, group_size, train["temperature"], weights=group_weight)
+                loss = compute_loss(logits, labels, group_weight, loss_options)
                 loss = loss * scale  # the mean over the global batch's real groups (padding weighs 0)
                 if injected_nan(step + 1):
                     loss = loss * float("nan")
