@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 
 class _Strict(BaseModel):
@@ -105,9 +106,12 @@ class TrainingParams(_Strict):
     @field_validator("loss")
     @classmethod
     def _registered_loss(cls, value: str) -> str:
-        from lychee_pipeline.reranker.losses import get_loss  # torch: imported only once a loss name is checked
+        from lychee_pipeline.reranker.losses import LOSSES  # torch: imported only once a loss name is checked
 
-        get_loss(value)
+        if value not in LOSSES:  # worded as pydantic words a Literal, naming every registered loss
+            names = [repr(name) for name in LOSSES]
+            expected = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+            raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
         return value
 
     @model_validator(mode="after")
