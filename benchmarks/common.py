@@ -2,7 +2,8 @@
 Lychee-shaped inputs, timing and MFU.
 
 Needs only torch, transformers, peft (and the project's reranker package on ``PYTHONPATH=src``).
-``tiny=True`` gives a miniature of the same architecture so every code path runs on a CPU in seconds.
+``tiny=True`` gives the miniature of the same architecture that ``builtin:tiny`` is built with, so every code
+path runs on a CPU in seconds.
 """
 
 from __future__ import annotations
@@ -18,39 +19,19 @@ from typing import Any, Callable
 
 import torch
 
-# Qwen2.5-VL-7B-Instruct special token ids
-IMAGE_TOKEN_ID = 151655
-VIDEO_TOKEN_ID = 151656
-VISION_START_ID = 151652
-VISION_END_ID = 151653
-PAD_ID = 151643  # <|endoftext|>
+from lychee_pipeline.reranker.families import qwen2_5_vl
+
+# Qwen2.5-VL-7B-Instruct's token ids (the synthetic inputs are in its vocabulary)
+IMAGE_TOKEN_ID = qwen2_5_vl.TOKEN_IDS["image_token_id"]
+VISION_START_ID = qwen2_5_vl.TOKEN_IDS["vision_start_token_id"]
+VISION_END_ID = qwen2_5_vl.TOKEN_IDS["vision_end_token_id"]
+PAD_ID = qwen2_5_vl.TOKEN_IDS["pad_token_id"]  # <|endoftext|>
+IM_END_ID = qwen2_5_vl.TOKEN_IDS["eos_token_id"]
 IM_START_ID = 151644
-IM_END_ID = 151645
 TEXT_ID_RANGE = (0, 151000)  # ordinary BPE ids
 # "yes" / "no" in Qwen2's vocabulary (any two ordinary ids would do for random weights)
 YES_ID = 9693
 NO_ID = 2152
-
-SEVEN_B_TEXT = dict(
-    vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-    num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000,
-    rms_norm_eps=1e-6, rope_theta=1e6, mrope_section=[16, 24, 24],
-)
-SEVEN_B_VISION = dict(
-    depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
-    patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-    fullatt_block_indexes=[7, 15, 23, 31],
-)
-TINY_TEXT = dict(
-    vocab_size=152064, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-    rms_norm_eps=1e-6, rope_theta=1e6, mrope_section=[2, 3, 3],
-)
-TINY_VISION = dict(
-    depth=4, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=64,
-    patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-    fullatt_block_indexes=[1, 3],
-)
 
 
 @dataclass
@@ -83,57 +64,20 @@ def log(msg: str) -> None:
 
 
 def build_config(tiny: bool = False, **token_ids: int):
-    """Qwen2_5_VLConfig with the published 7B dimensions (or the tiny miniature); random init only.
-
-    ``token_ids`` may override image/video/vision_start/vision_end ids (e.g. to match a tokenizer).
-    """
-    from transformers import Qwen2_5_VLConfig
-
-    t = dict(TINY_TEXT if tiny else SEVEN_B_TEXT)
-    v = dict(TINY_VISION if tiny else SEVEN_B_VISION)
-    ids = {
-        "image_token_id": IMAGE_TOKEN_ID,
-        "video_token_id": VIDEO_TOKEN_ID,
-        "vision_start_token_id": VISION_START_ID,
-        "vision_end_token_id": VISION_END_ID,
-    }
-    ids.update(token_ids)
-    text_config = {
-        "vocab_size": t["vocab_size"],
-        "hidden_size": t["hidden_size"],
-        "intermediate_size": t["intermediate_size"],
-        "num_hidden_layers": t["num_hidden_layers"],
-        "num_attention_heads": t["num_attention_heads"],
-        "num_key_value_heads": t["num_key_value_heads"],
-        "max_position_embeddings": t["max_position_embeddings"],
-        "rms_norm_eps": t["rms_norm_eps"],
-        "rope_parameters": {"rope_type": "default", "rope_theta": t["rope_theta"], "mrope_section": t["mrope_section"]},
-        "bos_token_id": PAD_ID,
-        "eos_token_id": IM_END_ID,
-        "pad_token_id": PAD_ID,
-        "tie_word_embeddings": False,
-    }
-    return Qwen2_5_VLConfig(
-        text_config=text_config,
-        vision_config=dict(v),
-        bos_token_id=PAD_ID,
-        eos_token_id=IM_END_ID,
-        pad_token_id=PAD_ID,
-        tie_word_embeddings=False,
-        **ids,
-    )
+    """Qwen2_5_VLConfig with the published 7B dimensions, or with ``tiny`` the miniature ``builtin:tiny`` is built
+    with (the same recipe, ``families/qwen2_5_vl.py``); random init only. ``token_ids`` override Qwen's ids
+    (e.g. to match a tokenizer)."""
+    return qwen2_5_vl.architecture_config("tiny" if tiny else "7b", token_ids=token_ids)
 
 
 def build_model(config, device: torch.device, dtype: torch.dtype, attn_implementation: str = "sdpa", seed: int = 0):
     """``Qwen2_5_VLForConditionalGeneration`` with random weights created directly on ``device``."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = Qwen2_5_VLForConditionalGeneration._from_config(config, attn_implementation=attn_implementation)
+            model = qwen2_5_vl.model_class()._from_config(config, attn_implementation=attn_implementation)
     finally:
         torch.set_default_dtype(previous)
     model.to(dtype)

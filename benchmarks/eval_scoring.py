@@ -131,7 +131,7 @@ def cuda_benchmark(args) -> dict:
     except ImportError:  # a GPU image without the evaluation's metric libraries: the same slicing, inline
         def score_pairs_in_slices(reranker, pairs, progress=None, slice_=1024):
             return [s for i in range(0, len(pairs), slice_) for s in reranker.score_pairs(pairs[i : i + slice_])]
-    from lychee_pipeline.reranker import fast_vision
+    from lychee_pipeline.reranker.families import qwen2_5_vl
     from lychee_pipeline.reranker.inference import Reranker
 
     # without CUDA (with --tiny-arch) the same code path runs on the CPU in fp32, to check it, not to time it
@@ -139,7 +139,7 @@ def cuda_benchmark(args) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tiny_dir = args.work_dir or tempfile.mkdtemp(prefix="eval_scoring_tiny_")
     model = inf.build(tiny=args.tiny_arch, device=device, dtype=dtype, tiny_dir=tiny_dir)
-    fast_vision.enable_fast_path(model)  # as load_reranker does with model.fast_path (the default)
+    qwen2_5_vl.enable_fast_path(model)  # as load_reranker does with model.fast_path (the default)
     pairs = inf.make_pairs(model.processor, args.queries, args.docs, 600, 0.5, 448, args.seed)
     reranker = Reranker(model, batch_size=args.batch_size)
     score_pairs_in_slices(reranker, pairs[: args.batch_size])  # warm-up

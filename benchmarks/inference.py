@@ -11,7 +11,7 @@ processing as Qwen2.5-VL), with the 7B architecture's token ids set to that toke
 
 * ``naive``: batches of 8 in input order, padded, the stock Hugging Face forward with full logits;
 * ``core``:  ``Reranker(model, batch_size=B).score_pairs`` (length-sorted batches, last-position
-             yes/no logits) with the fast vision path (``fast_vision.enable_fast_path``);
+             yes/no logits) with the fast vision path (``qwen2_5_vl.enable_fast_path``);
 * ``core-nofast`` (``--attribute``): the same without the fast vision path.
 
 Timed end to end (prompt building, image processing, forward, scores back on the host), after a
@@ -45,10 +45,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from lychee_pipeline.reranker import fast_vision  # noqa: E402
+from lychee_pipeline.reranker.families import qwen2_5_vl  # noqa: E402
 from lychee_pipeline.reranker.collate import PairCollator  # noqa: E402
 from lychee_pipeline.reranker.inference import Reranker  # noqa: E402
-from lychee_pipeline.reranker.model import LycheeReranker, ModelConfig, load_processor, single_token_id  # noqa: E402
+from lychee_pipeline.reranker.families.qwen2_5_vl import load_processor  # noqa: E402
+from lychee_pipeline.reranker.model import LycheeReranker, ModelConfig, single_token_id  # noqa: E402
 from lychee_pipeline.reranker.tiny import ensure_tiny  # noqa: E402
 
 WORDS, log = common.WORDS, common.log
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     warm = pairs[:16]
     results = {}
     # naive loop (stock path)
-    fast_vision.disable_fast_path(reranker)
+    qwen2_5_vl.disable_fast_path(reranker)
     naive_scores(reranker, warm)
     common.reset_peak(device)
     ref, secs = timed(lambda: naive_scores(reranker, pairs), device)
@@ -279,9 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         variants.append((f"core-b{bs}", Reranker, bs, True))
     scores = {}
     for name, cls, bs, fast in variants:
-        fast_vision.disable_fast_path(reranker)
+        qwen2_5_vl.disable_fast_path(reranker)
         if fast:
-            fast_vision.enable_fast_path(reranker)
+            qwen2_5_vl.enable_fast_path(reranker)
         scorer = cls(reranker, batch_size=bs)
         scorer.score_pairs(warm)
         phases = instrument(scorer.collator)
@@ -294,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                                   + (", fast vision" if fast else ", stock vision"),
                          "vs_naive": compare(ref, scores[name], args.docs)}
     if args.images != "memory":  # host work in line (no overlap), and the device alone on the same batches
-        fast_vision.disable_fast_path(reranker)
-        fast_vision.enable_fast_path(reranker)
+        qwen2_5_vl.disable_fast_path(reranker)
+        qwen2_5_vl.enable_fast_path(reranker)
         serial = Reranker(reranker, batch_size=args.batch_size, prefetch_batches=0)
         common.reset_peak(device)
         scores["core-serial"], secs = timed(lambda: serial.score_pairs(pairs), device)
@@ -310,9 +311,9 @@ def main(argv: list[str] | None = None) -> int:
                                "same_scores_as_core": scores["gpu-only"] == scores["core"]}
     if args.fast_check > 0:  # the fast vision path alone: same scorer, same batches, with and without it
         sub = pairs[: args.fast_check]
-        fast_vision.disable_fast_path(reranker)
+        qwen2_5_vl.disable_fast_path(reranker)
         s_stock = Reranker(reranker, batch_size=args.batch_size).score_pairs(sub)
-        fast_vision.enable_fast_path(reranker)
+        qwen2_5_vl.enable_fast_path(reranker)
         s_fast = Reranker(reranker, batch_size=args.batch_size).score_pairs(sub)
         results["fast_vs_stock_vision"] = compare(s_stock, s_fast, args.docs)
 

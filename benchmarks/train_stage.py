@@ -134,7 +134,7 @@ def write_table(folder: Path, processor, images: list[str], records: int, negati
 
 def save_model_folder(folder: Path, tiny: bool, device: torch.device, dtype: torch.dtype) -> Path:
     """The 7B (or tiny) architecture with random weights + the built-in tiny processor, as a model folder."""
-    from lychee_pipeline.reranker.model import load_processor, save_processor
+    from lychee_pipeline.reranker.families.qwen2_5_vl import load_processor, save_processor
     from lychee_pipeline.reranker.tiny import ensure_tiny
 
     if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file():
@@ -212,7 +212,7 @@ def isolated_step(args, data: Path, folder: Path, device: torch.device, layers: 
     import datasets
 
     from lychee_pipeline.reranker import GroupCollator, ModelConfig, listwise_loss, load_reranker
-    from lychee_pipeline.reranker.fast_vision import apply_selective_checkpointing
+    from lychee_pipeline.reranker.families.qwen2_5_vl import apply_selective_checkpointing
 
     records = datasets.Dataset.from_parquet(str(data))
     cfg = ModelConfig(**{k: v for k, v in model_spec(args, folder).items()
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     folder = save_model_folder(work / ("model_tiny" if tiny else "model_7b"), tiny, device, dtype)
     log(f"model folder {folder} ready in {time.perf_counter() - t0:.1f} s")
-    from lychee_pipeline.reranker.model import load_processor
+    from lychee_pipeline.reranker.families.qwen2_5_vl import load_processor
 
     processor = load_processor(str(folder))
     t0 = time.perf_counter()

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from lychee_pipeline.reranker import fast_vision  # noqa: E402
+from lychee_pipeline.reranker.families import qwen2_5_vl  # noqa: E402
 from lychee_pipeline.reranker.losses import listwise_loss  # noqa: E402
 from lychee_pipeline.reranker.model import (  # noqa: E402
     LycheeReranker,
@@ -80,13 +80,13 @@ def set_checkpointing(reranker: LycheeReranker, layers: int | None) -> int:
         if getattr(hf_model, "_require_grads_hooks", None):
             hf_model.disable_input_require_grads()  # do not stack hooks when switching back and forth
         enable_activation_checkpointing(hf_model)
-        return len(fast_vision.decoder_layers(hf_model))
+        return len(qwen2_5_vl.decoder_layers(hf_model))
     if layers == 0:
-        fast_vision.apply_selective_checkpointing(reranker, 0)
+        qwen2_5_vl.apply_selective_checkpointing(reranker, 0)
         if hasattr(hf_model, "disable_input_require_grads") and getattr(hf_model, "_require_grads_hooks", None):
             hf_model.disable_input_require_grads()  # a fresh model without checkpointing has no such hooks
         return 0
-    return fast_vision.apply_selective_checkpointing(reranker, layers)
+    return qwen2_5_vl.apply_selective_checkpointing(reranker, layers)
 
 
 def model_inputs(batch: dict) -> dict:
@@ -126,11 +126,11 @@ def parse_variant(name: str, num_layers: int) -> dict:
 
 
 def configure(reranker: LycheeReranker, spec: dict) -> None:
-    fast_vision.disable_fast_path(reranker)
+    qwen2_5_vl.disable_fast_path(reranker)
     if spec["fast"] == "all":
-        fast_vision.enable_fast_path(reranker)
+        qwen2_5_vl.enable_fast_path(reranker)
     elif spec["fast"] == "windows":
-        fast_vision.enable_fast_path(reranker, frozen_vision_no_grad=False)
+        qwen2_5_vl.enable_fast_path(reranker, frozen_vision_no_grad=False)
     set_checkpointing(reranker, spec["ckpt"])
 
 
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     n_lm, n_vis, n_total = common.count_params(reranker)
     trainable = [p for p in reranker.parameters() if p.requires_grad]
     n_train = sum(p.numel() for p in trainable)
-    num_layers = len(fast_vision.decoder_layers(reranker))
+    num_layers = len(qwen2_5_vl.decoder_layers(reranker))
     log(f"model built in {time.perf_counter() - t0:.1f} s: LM {n_lm / 1e9:.3f}B, vision {n_vis / 1e9:.3f}B, "
         f"total {n_total / 1e9:.3f}B, LoRA trainable {n_train / 1e6:.2f}M, {num_layers} decoder layers")
     optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0)

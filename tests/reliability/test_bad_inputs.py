@@ -34,7 +34,7 @@ def png_claiming(path: Path, width: int, height: int) -> Path:
 
 @pytest.fixture(scope="module")
 def processor(tmp_path_factory):
-    from lychee_pipeline.reranker.model import load_processor
+    from lychee_pipeline.reranker.families.qwen2_5_vl import load_processor
     from lychee_pipeline.reranker.tiny import ensure_tiny
 
     return load_processor(str(ensure_tiny(tmp_path_factory.mktemp("tiny") / "builtin_tiny")))

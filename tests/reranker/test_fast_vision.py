@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from lychee_pipeline.reranker import fast_vision
+from lychee_pipeline.reranker.families import qwen2_5_vl
 from lychee_pipeline.reranker.collate import GroupCollator
 from lychee_pipeline.reranker.losses import listwise_loss, pointwise_loss
 from lychee_pipeline.reranker.model import enable_activation_checkpointing
@@ -43,7 +43,7 @@ def _pixels(grids, seed=0):
 def test_segment_plan_groups_by_length():
     # windows of 64, 64, 32, 64, 32 rows, then one image of 100 rows
     cu = torch.tensor([0, 64, 128, 160, 224, 256, 356], dtype=torch.int32)
-    plan = fast_vision.segment_plan(cu)
+    plan = qwen2_5_vl.segment_plan(cu)
     by_len = {g.length: g for g in plan}
     assert set(by_len) == {64, 32, 100}
     g64 = by_len[64]
@@ -51,7 +51,7 @@ def test_segment_plan_groups_by_length():
     assert g64.index.tolist() == list(range(0, 128)) + list(range(160, 224))
     assert by_len[32].count == 2 and by_len[32].index.tolist() == list(range(128, 160)) + list(range(224, 256))
     assert by_len[100].start == 256 and by_len[100].index is None
-    assert fast_vision.segment_plan(cu) is plan  # cached on the tensor
+    assert qwen2_5_vl.segment_plan(cu) is plan  # cached on the tensor
 
 
 @pytest.mark.parametrize(
@@ -66,7 +66,7 @@ def test_batched_windows_equal_stock_vision_tower(grids):
     pixels, grid = _pixels(grids)
     with torch.no_grad():
         stock = model(pixels, grid_thw=grid)
-    handle = fast_vision.enable_fast_path(model)
+    handle = qwen2_5_vl.enable_fast_path(model)
     assert len(handle.attention_modules) == 4 and len(handle.vision_towers) == 1
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -99,7 +99,7 @@ def test_fast_path_keeps_autograd_when_vision_trains():
     stock.square().sum().backward()
     ref = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    fast_vision.enable_fast_path(model)
+    qwen2_5_vl.enable_fast_path(model)
     fast = model(pixels, grid_thw=grid).pooler_output
     assert fast.requires_grad
     fast.square().sum().backward()
@@ -149,11 +149,11 @@ def test_fast_training_step_matches_stock_on_builtin_tiny(make_model, tmp_path, 
     enable_activation_checkpointing(model.base_model)
     loss_ref, logits_ref, grads_ref = step()
 
-    handle = fast_vision.enable_fast_path(model)
+    handle = qwen2_5_vl.enable_fast_path(model)
     assert handle.attention_modules and handle.vision_towers
-    k = fast_vision.apply_selective_checkpointing(model, layers=1)
+    k = qwen2_5_vl.apply_selective_checkpointing(model, layers=1)
     assert k == 1
-    flags = [layer.gradient_checkpointing for layer in fast_vision.decoder_layers(model)]
+    flags = [layer.gradient_checkpointing for layer in qwen2_5_vl.decoder_layers(model)]
     assert flags == [True] + [False] * (len(flags) - 1)
     loss_fast, logits_fast, grads_fast = step()
 
@@ -171,22 +171,22 @@ def test_fast_training_step_matches_stock_on_builtin_tiny(make_model, tmp_path, 
 
 def test_selective_checkpointing_counts(make_model):
     model = make_model(finetune="lora")
-    n = len(fast_vision.decoder_layers(model))
-    assert fast_vision.apply_selective_checkpointing(model, layers=None) == n
-    assert fast_vision.apply_selective_checkpointing(model, layers=0.5) == (n + 1) // 2
-    assert fast_vision.apply_selective_checkpointing(model, layers=0) == 0
-    assert not any(layer.gradient_checkpointing for layer in fast_vision.decoder_layers(model))
+    n = len(qwen2_5_vl.decoder_layers(model))
+    assert qwen2_5_vl.apply_selective_checkpointing(model, layers=None) == n
+    assert qwen2_5_vl.apply_selective_checkpointing(model, layers=0.5) == (n + 1) // 2
+    assert qwen2_5_vl.apply_selective_checkpointing(model, layers=0) == 0
+    assert not any(layer.gradient_checkpointing for layer in qwen2_5_vl.decoder_layers(model))
     with pytest.raises(ValueError):
-        fast_vision.apply_selective_checkpointing(model, layers=1.5)
+        qwen2_5_vl.apply_selective_checkpointing(model, layers=1.5)
 
 
 def test_checkpoint_layers_for_budget():
     gib = 2**30
     # 28 layers, 8000 tokens, 1 MiB... per token-layer of activations -> each kept layer costs ~7.8 GiB/8
     per = 128 * 1024  # bytes per token per kept layer
-    k = fast_vision.checkpoint_layers_for_budget(28, 8000, 40 * gib, 20 * gib, per, 8 * 1024)
+    k = qwen2_5_vl.checkpoint_layers_for_budget(28, 8000, 40 * gib, 20 * gib, per, 8 * 1024)
     kept = 28 - k
     assert 20 * gib + 8000 * (kept * per + k * 8 * 1024) <= 40 * gib
     assert 20 * gib + 8000 * ((kept + 1) * per + (k - 1) * 8 * 1024) > 40 * gib
-    assert fast_vision.checkpoint_layers_for_budget(28, 10, 40 * gib, 1 * gib, per) == 0
-    assert fast_vision.checkpoint_layers_for_budget(28, 10**7, 40 * gib, 1 * gib, per) == 28
+    assert qwen2_5_vl.checkpoint_layers_for_budget(28, 10, 40 * gib, 1 * gib, per) == 0
+    assert qwen2_5_vl.checkpoint_layers_for_budget(28, 10**7, 40 * gib, 1 * gib, per) == 28

@@ -5,7 +5,7 @@ import torch
 
 from lychee_pipeline.reranker import GroupCollator, PairCollator, max_pixels_at, sample_group
 from lychee_pipeline.reranker.collate import BrokenImageError
-from lychee_pipeline.reranker.model import load_processor
+from lychee_pipeline.reranker.families.qwen2_5_vl import load_processor
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from lychee_pipeline.reranker import DEFAULT_INSTRUCTIONS, SYSTEM_PROMPT, build_messages, task_type_of
-from lychee_pipeline.reranker.model import load_processor
+from lychee_pipeline.reranker.families.qwen2_5_vl import load_processor
 from lychee_pipeline.reranker.prompt import instruction_for, render_prompt
 
 Q_IMG, D_IMG = "/data/query.png", "/data/doc.png"

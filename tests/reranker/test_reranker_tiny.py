@@ -7,7 +7,8 @@ from pathlib import Path
 from transformers import Qwen2_5_VLConfig
 
 from lychee_pipeline.reranker import tiny
-from lychee_pipeline.reranker.model import load_processor, resolve_model_path
+from lychee_pipeline.reranker.families.qwen2_5_vl import load_processor
+from lychee_pipeline.reranker.model import resolve_model_path
 
 
 def _digest(path: Path) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .families import qwen2_5_vl
 from .prompt import build_messages, instruction_for, render_prompt, task_type_of
 
 log = logging.getLogger(__name__)
@@ -180,9 +181,6 @@ class PairCollator:
         self.min_pixels = int(min_pixels)
         self.max_pixels = int(max_pixels)
         self.instructions = dict(instructions or {})
-        ip = processor.image_processor
-        self.patch_size = int(getattr(ip, "patch_size", 14))
-        self.merge_size = int(getattr(ip, "merge_size", 2))
         self.image_token = getattr(processor, "image_token", "<|image_pad|>")
         self.stats = TruncationStats()
         self._warned_over = False
@@ -194,16 +192,7 @@ class PairCollator:
     def image_tokens(self, image) -> int:
         """LM tokens one (PIL) image becomes under the current pixel budget (the processor's own rule)."""
         width, height = image.size
-        ip = self.processor.image_processor
-        budget = {"min_pixels": self.min_pixels, "max_pixels": self.max_pixels}
-        if hasattr(ip, "get_number_of_image_patches"):
-            patches = ip.get_number_of_image_patches(height, width, budget)
-        else:  # pragma: no cover - very old processors; the processor check in encode() guards this
-            from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
-
-            h, w = smart_resize(height, width, self.patch_size * self.merge_size, **budget)
-            patches = (h // self.patch_size) * (w // self.patch_size)
-        return int(patches) // (self.merge_size**2)
+        return qwen2_5_vl.image_tokens(self.processor, height, width, self.min_pixels, self.max_pixels)
 
     def _count(self, text: str, image_tokens: int, n_images: int) -> int:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -1,8 +1,9 @@
 """Loading Lychee-rerank-mm style rerankers and scoring with a 2-way (yes, no) head.
 
 ``load_reranker(ModelConfig(...), device)`` loads a Qwen2.5-VL checkpoint (hub id, local folder or
-``builtin:tiny``) through ``Qwen2_5_VLForConditionalGeneration.from_pretrained`` (safetensors only,
-no remote code), prepares it for LoRA / QLoRA / full fine-tuning or frozen inference, and wraps it in
+``builtin:tiny``) with its model family's class (``families/``: ``Qwen2_5_VLForConditionalGeneration``,
+safetensors only, no remote code), prepares it for LoRA / QLoRA / full fine-tuning or frozen inference,
+and wraps it in
 :class:`LycheeReranker`, whose forward returns only the (yes, no) logits of the last position,
 computed from the last hidden state and the two ``lm_head`` rows (no full-vocabulary logits).
 """
@@ -18,6 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from .families import family_of
+from .families.qwen2_5_vl import save_processor
 
 if TYPE_CHECKING:
     from .processing import ProcessingConfig
@@ -68,86 +72,6 @@ class ModelConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}")
         if self.lora_r <= 0:
             raise ValueError("lora_r must be positive")
-
-
-# ----------------------------------------------------------------------------------------------
-# processor
-
-
-def _processor_base():
-    from transformers import Qwen2_5_VLProcessor
-
-    return Qwen2_5_VLProcessor
-
-
-class LycheeProcessor(_processor_base()):
-    """Qwen2.5-VL processor with only the image processor and the tokenizer.
-
-    Used where torchvision is missing: transformers' video processor needs it, and the stock
-    processor cannot be built without one. Images + text produce the same inputs as the stock one.
-    """
-
-    attributes = ["image_processor", "tokenizer"]  # read by older transformers; newer ones use __init__
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        from transformers.processing_utils import ProcessorMixin
-
-        self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
-        self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
-        self.image_token_id = getattr(tokenizer, "image_token_id", None) or tokenizer.convert_tokens_to_ids(
-            self.image_token
-        )
-        self.video_token_id = getattr(tokenizer, "video_token_id", None) or tokenizer.convert_tokens_to_ids(
-            self.video_token
-        )
-        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template, **kwargs)
-
-
-def save_processor(processor: Any, out_dir: str | os.PathLike) -> None:
-    """Save a processor so that the folder looks like a stock Qwen2.5-VL one."""
-    out = Path(out_dir)
-    processor.save_pretrained(out)
-    # the legacy flat image-processor file, as stock Qwen2.5-VL folders have it: transformers builds the
-    # video processor from it when torchvision is installed (and older releases read only this file)
-    processor.image_processor.save_pretrained(out)
-    for path in out.glob("*.json"):
-        try:
-            data = json.loads(path.read_text())
-        except ValueError:
-            continue
-        if isinstance(data, dict) and data.get("processor_class") == "LycheeProcessor":
-            data["processor_class"] = "Qwen2_5_VLProcessor"
-            path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-def image_processor_kind(processor: Any) -> str:
-    """``"fast"`` when the processor resizes and normalises with torchvision (tensor ops, the faster host path),
-    ``"pil"`` for the PIL/numpy one (what a machine without torchvision gets)."""
-    names = {cls.__name__ for cls in type(processor.image_processor).__mro__}
-    fast = any(n.endswith("Fast") for n in names) or "TorchvisionBackend" in names
-    return "fast" if fast else "pil"
-
-
-def load_processor(path: str, local_files_only: bool = False) -> Any:
-    """AutoProcessor with the fast (torchvision) image processor when torchvision is importable, else
-    :class:`LycheeProcessor` (images + text, PIL image processor). Which one loaded is logged."""
-    import warnings
-
-    from transformers import AutoProcessor
-    from transformers.utils import is_torchvision_available
-
-    kwargs = {"trust_remote_code": False, "local_files_only": local_files_only}
-    if is_torchvision_available():
-        with warnings.catch_warnings():  # newer transformers: fast is the default and the flag is deprecated
-            warnings.simplefilter("ignore")
-            processor = AutoProcessor.from_pretrained(path, use_fast=True, **kwargs)
-    else:
-        processor = LycheeProcessor.from_pretrained(path, **kwargs)
-    log.info("image processor: %s (%s)", type(processor.image_processor).__name__, image_processor_kind(processor))
-    tok = processor.tokenizer
-    if tok.padding_side != "left":
-        tok.padding_side = "left"
-    return processor
 
 
 # ----------------------------------------------------------------------------------------------
@@ -394,12 +318,11 @@ def processing_of(folder: str | os.PathLike) -> ProcessingConfig | None:
 
 def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") -> LycheeReranker:
     """Load ``cfg.name_or_path`` (+ ``cfg.adapter``) and prepare it for ``cfg.finetune``."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
     dev = resolve_device(device)
     if cfg.finetune == "qlora":
         _check_qlora_possible(dev)
     path = resolve_model_path(cfg.name_or_path, cfg.local_files_only, cfg.tiny_cache_dir)
+    family = family_of(path, cfg.local_files_only)  # the architecture's classes, processor and fast paths
     dtype = resolve_dtype(cfg.dtype, dev)
     kwargs: dict[str, Any] = {
         "dtype": dtype,
@@ -421,14 +344,14 @@ def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") 
         kwargs["device_map"] = {"": dev.index if dev.index is not None else torch.cuda.current_device()}
     elif dev.type == "cuda":
         kwargs["device_map"] = {"": dev}  # load straight onto this process's GPU
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, **kwargs)
+    model = family.model_class().from_pretrained(path, **kwargs)
     if cfg.finetune != "qlora":
         model.to(dev)
 
     processor_path = path
     if cfg.adapter is not None and (Path(cfg.adapter) / "tokenizer_config.json").is_file():
         processor_path = cfg.adapter
-    processor = load_processor(processor_path, cfg.local_files_only)
+    processor = family.load_processor(processor_path, cfg.local_files_only)
 
     if cfg.finetune == "qlora":
         from peft import prepare_model_for_kbit_training
@@ -439,9 +362,7 @@ def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") 
             gradient_checkpointing_kwargs={"use_reentrant": False},
         )
     elif cfg.activation_checkpointing:
-        from .fast_vision import apply_selective_checkpointing
-
-        apply_selective_checkpointing(model, layers=cfg.checkpoint_layers)
+        family.apply_selective_checkpointing(model, layers=cfg.checkpoint_layers)
 
     trainable = cfg.finetune in ("lora", "qlora", "full")
     if cfg.adapter is not None:
@@ -465,9 +386,7 @@ def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") 
         _freeze_vision(model)  # peft already froze the base; make sure nothing visual trains
 
     if cfg.fast_path:  # batched vision windows, frozen tower without autograd (docs/benchmarks.md)
-        from .fast_vision import enable_fast_path
-
-        enable_fast_path(model)
+        family.enable_fast_path(model)
     tok = processor.tokenizer
     reranker = LycheeReranker(model, processor, cfg, single_token_id(tok, "yes"), single_token_id(tok, "no"))
     reranker.train(trainable)

@@ -122,7 +122,7 @@ def resolve_activation_checkpointing(model, collator: GroupCollator, records, tr
         group = sample_group(records[int(i)], collator.group_size, 0, collator.seed, fill_pool=collator.fill_pool)
         lengths += [collator.pairs.measure(pair) for pair in collator.group_pairs(group)]
     collator.set_max_pixels(saved)
-    from lychee_pipeline.reranker.fast_vision import decoder_layers
+    from lychee_pipeline.reranker.families.qwen2_5_vl import decoder_layers
 
     hf = model.base_model
     text = getattr(hf.config, "text_config", hf.config)
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint_choice = None
     if auto_checkpointing and spec["model"].get("finetune") != "qlora":
         checkpoint_choice = resolve_activation_checkpointing(model, collator, records, train, pairs_per_micro_batch)
-        from lychee_pipeline.reranker.fast_vision import apply_selective_checkpointing
+        from lychee_pipeline.reranker.families.qwen2_5_vl import apply_selective_checkpointing
 
         apply_selective_checkpointing(model, layers=checkpoint_choice.layers)
         (log.info if checkpoint_choice.fits else log.warning)("%s", checkpoint_choice.describe())
