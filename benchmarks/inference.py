@@ -48,7 +48,6 @@ import common  # noqa: E402
 from lychee_pipeline.reranker.families import qwen2_5_vl  # noqa: E402
 from lychee_pipeline.reranker.collate import PairCollator  # noqa: E402
 from lychee_pipeline.reranker.inference import Reranker  # noqa: E402
-from lychee_pipeline.reranker.families.qwen2_5_vl import load_processor  # noqa: E402
 from lychee_pipeline.reranker.model import LycheeReranker, ModelConfig, single_token_id  # noqa: E402
 from lychee_pipeline.reranker.tiny import ensure_tiny  # noqa: E402
 
@@ -95,14 +94,9 @@ def make_pairs(processor, n_queries: int, docs_per_query: int, text_tokens: int,
 
 
 def build(tiny: bool, device: torch.device, dtype: torch.dtype, tiny_dir: str) -> LycheeReranker:
-    processor = load_processor(str(ensure_tiny(tiny_dir)))
+    processor = qwen2_5_vl.load_processor(str(ensure_tiny(tiny_dir)))
     tok = processor.tokenizer
-    ids = {
-        "image_token_id": tok.convert_tokens_to_ids("<|image_pad|>"),
-        "video_token_id": tok.convert_tokens_to_ids("<|video_pad|>"),
-        "vision_start_token_id": tok.convert_tokens_to_ids("<|vision_start|>"),
-        "vision_end_token_id": tok.convert_tokens_to_ids("<|vision_end|>"),
-    }
+    ids = qwen2_5_vl.token_ids_of(tok)
     model = common.build_model(common.build_config(tiny=tiny, **ids), device, dtype)
     model.eval()
     for p in model.parameters():

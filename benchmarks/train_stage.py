@@ -134,20 +134,13 @@ def write_table(folder: Path, processor, images: list[str], records: int, negati
 
 def save_model_folder(folder: Path, tiny: bool, device: torch.device, dtype: torch.dtype) -> Path:
     """The 7B (or tiny) architecture with random weights + the built-in tiny processor, as a model folder."""
-    from lychee_pipeline.reranker.families.qwen2_5_vl import load_processor, save_processor
+    from lychee_pipeline.reranker.families.qwen2_5_vl import load_processor, save_processor, token_ids_of
     from lychee_pipeline.reranker.tiny import ensure_tiny
 
     if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file():
         return folder
     processor = load_processor(str(ensure_tiny(str(folder.parent / "tiny_processor"))))
-    tok = processor.tokenizer
-    ids = {
-        "image_token_id": tok.convert_tokens_to_ids("<|image_pad|>"),
-        "video_token_id": tok.convert_tokens_to_ids("<|video_pad|>"),
-        "vision_start_token_id": tok.convert_tokens_to_ids("<|vision_start|>"),
-        "vision_end_token_id": tok.convert_tokens_to_ids("<|vision_end|>"),
-    }
-    config = common.build_config(tiny=tiny, **ids)
+    config = common.build_config(tiny=tiny, **token_ids_of(processor.tokenizer))
     model = common.build_model(config, device, dtype)
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -32,6 +32,7 @@ def test_builtin_tiny_is_built_from_the_tiny_architecture(tiny_dir):
     ids = {key: getattr(saved, key) for key in ("image_token_id", "video_token_id", "vision_start_token_id",
                                                "vision_end_token_id", "pad_token_id", "eos_token_id")}
     assert ids["image_token_id"] == tok.convert_tokens_to_ids("<|image_pad|>")
+    assert qwen2_5_vl.token_ids_of(tok) == ids
     rebuilt = qwen2_5_vl.architecture_config("tiny", saved.text_config.vocab_size, ids)
     written_on_save = {"architectures", "dtype"}
     assert rebuilt.to_diff_dict() == {k: v for k, v in saved.to_diff_dict().items() if k not in written_on_save}

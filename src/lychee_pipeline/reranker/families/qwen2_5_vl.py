@@ -45,6 +45,16 @@ TOKEN_IDS = {
     "eos_token_id": 151645,  # <|im_end|>
 }
 
+# The tokens behind those ids, for a tokenizer of another vocabulary (builtin:tiny's)
+TOKENS = {
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+    "pad_token_id": "<|endoftext|>",
+    "eos_token_id": "<|im_end|>",
+}
+
 # Text and vision dimensions by size; the vision tower's output width is the text hidden size.
 ARCHITECTURES: dict[str, dict[str, dict[str, Any]]] = {
     "7b": {  # Qwen2.5-VL-7B-Instruct, as published
@@ -104,6 +114,11 @@ def model_class() -> type:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     return Qwen2_5_VLForConditionalGeneration
+
+
+def token_ids_of(tokenizer: Any) -> dict[str, int]:
+    """The :data:`TOKEN_IDS` of ``tokenizer``: what :func:`architecture_config` takes for a model of its vocabulary."""
+    return {key: int(tokenizer.convert_tokens_to_ids(token)) for key, token in TOKENS.items()}
 
 
 def architecture_config(size: str, vocab_size: int | None = None, token_ids: dict[str, int] | None = None):
@@ -398,15 +413,7 @@ def build_tiny(out: Path, corpus: list[str], seed: int) -> None:
     """Save the tiny model (random weights from ``seed``, fp32, safetensors) and its processor into ``out``."""
     tok = build_tiny_tokenizer(corpus)
     padded_vocab = (len(tok) + 63) // 64 * 64
-    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    config = architecture_config("tiny", padded_vocab, {
-        "image_token_id": ids["<|image_pad|>"],
-        "video_token_id": ids["<|video_pad|>"],
-        "vision_start_token_id": ids["<|vision_start|>"],
-        "vision_end_token_id": ids["<|vision_end|>"],
-        "pad_token_id": ids["<|endoftext|>"],
-        "eos_token_id": ids["<|im_end|>"],
-    })
+    config = architecture_config("tiny", padded_vocab, token_ids_of(tok))
     torch.manual_seed(seed)
     model = model_class()(config).to(torch.float32).eval()
     model.save_pretrained(out)
