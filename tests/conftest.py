@@ -122,13 +122,20 @@ def data_bad_corpus(tmp_path: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def smoke_project(tmp_path_factory) -> Path:
-    """A project copy after a full `kedro run --pipeline smoke` on the demo data (shared by several tests)."""
-    from project_runs import make_project_copy, run_kedro
+def smoke_run(tmp_path_factory) -> dict:
+    """`kedro run --pipelines smoke` with the default parameters, typed in notebooks/ of a fresh project copy (the
+    real CLI in a child process, as a user runs it). One run shared by the end-to-end, project-root and notebook
+    tests: {"path": project root, "log": the command's output}."""
+    from project_runs import kedro_run, make_cli_project
 
-    root = make_project_copy(tmp_path_factory.mktemp("smoke_project"))
-    run_kedro(root, "smoke")
-    return root
+    root = make_cli_project(tmp_path_factory.mktemp("smoke_project") / "project")
+    return {"path": root, "log": kedro_run(root / "notebooks", "--pipelines", "smoke")}
+
+
+@pytest.fixture(scope="session")
+def smoke_project(smoke_run) -> Path:
+    """The project root of `smoke_run`, after its smoke run finished."""
+    return smoke_run["path"]
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,3 +43,26 @@ def run_kedro(root: Path, pipeline: str, params: dict | None = None) -> None:
     finally:
         os.chdir(previous)
         end_active_runs()
+
+
+def make_cli_project(root: Path) -> Path:
+    """A project copy for the real `kedro` CLI: kedro puts <project>/src first on sys.path, so the copy carries
+    this checkout's source, and a notebooks/ folder to start commands from."""
+    project = make_project_copy(root)
+    shutil.rmtree(project / "src")
+    shutil.copytree(REPO / "src", project / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    (project / "notebooks").mkdir()
+    shutil.copy2(REPO / "notebooks" / "01_explore_data_and_results.ipynb", project / "notebooks")
+    return project
+
+
+def kedro_run(cwd: Path, *args: str) -> str:
+    """`kedro run ARGS` as a user types it, from `cwd`; returns its log (stdout + stderr), asserting exit 0."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING")}
+    env.update(KEDRO_DISABLE_TELEMETRY="1", MLFLOW_DISABLE_TELEMETRY="1", DO_NOT_TRACK="1",
+               TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, "-m", "kedro", "run", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"kedro run {' '.join(args)} failed ({proc.returncode}):\n{out[-8000:]}"
+    return out

@@ -1,5 +1,6 @@
-"""End to end, as a user runs it: `smoke` and `full` through KedroSession in a copy of the project, with the
-real `accelerate launch` processes and a real sqlite MLflow store, checked through MlflowClient."""
+"""End to end, as a user runs it: `smoke` through the `kedro` CLI (tests/conftest.py::smoke_run) and `full` through
+KedroSession, each in a copy of the project, with the real `accelerate launch` processes and a real sqlite MLflow
+store, checked through MlflowClient."""
 
 from __future__ import annotations
 

@@ -1,46 +1,20 @@
 """One project, one place (issue 19, points 2-4): `kedro run` from a subfolder works in the project root, a
 copied project writes only inside itself, and `--params` keys the pipeline does not read are named.
 
-Real `kedro run` processes (the CLI, as a user types it) on a small demo catalogue and a 4-step smoke stage.
+Real `kedro run` processes (the CLI, as a user types it) with the default parameters: the session's smoke run
+(tests/conftest.py::smoke_run, started in notebooks/) and a second run in a copy of that project.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from project_runs import REPO, make_project_copy
-
-SMALL = ("demo_data.n_products=80,demo_data.n_records=400,data_processing.ingestion.workers=1,"
-         "data_processing.image_check.workers=1,smoke.training.max_steps=4,smoke.training.checkpoint_every=2,"
-         "evaluation.max_queries=8,evaluation.significance.resamples=200")
-
-
-def _project(root: Path) -> Path:
-    project = make_project_copy(root)
-    shutil.rmtree(project / "src")  # kedro puts <project>/src first on sys.path: the copy runs this checkout
-    shutil.copytree(REPO / "src", project / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    (project / "notebooks").mkdir()
-    shutil.copy2(REPO / "notebooks" / "01_explore_data_and_results.ipynb", project / "notebooks")
-    return project
-
-
-def kedro_run(cwd: Path, *args: str) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING")}
-    env.update(KEDRO_DISABLE_TELEMETRY="1", MLFLOW_DISABLE_TELEMETRY="1", DO_NOT_TRACK="1",
-               TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, "-m", "kedro", "run", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=900)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"kedro run {' '.join(args)} failed ({proc.returncode}):\n{out[-8000:]}"
-    return out
+from project_runs import REPO, kedro_run
 
 
 def _tree(root: Path) -> dict[str, tuple[int, int]]:
@@ -56,11 +30,9 @@ def _store(root: Path) -> tuple[list, list]:
 
 
 @pytest.fixture(scope="module")
-def project_a(tmp_path_factory) -> dict:
-    """`kedro run --pipelines smoke` started in notebooks/ of a fresh project copy."""
-    project = _project(tmp_path_factory.mktemp("copies") / "A")
-    log = kedro_run(project / "notebooks", "--pipelines", "smoke", "--params", SMALL)
-    return {"path": project, "log": log}
+def project_a(smoke_run) -> dict:
+    """`kedro run --pipelines smoke` started in notebooks/ of a fresh project copy (the session's smoke run)."""
+    return smoke_run
 
 
 def test_run_from_a_subfolder_writes_into_the_project_root(project_a):
@@ -95,7 +67,7 @@ def test_a_copied_project_writes_only_inside_itself(project_a, tmp_path):
     b = tmp_path / "B"
     shutil.copytree(a, b, symlinks=True)  # as `cp -a` or a move: contents and mtimes
     before = _tree(a)
-    log = kedro_run(b, "--pipelines", "smoke", "--params", SMALL)
+    log = kedro_run(b, "--pipelines", "smoke")
     assert _tree(a) == before, "the run in the copy changed files of the original"
     assert f"the MLflow store was copied from {a}" in log
     experiments, runs = _store(b)
