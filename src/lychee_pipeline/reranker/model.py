@@ -58,6 +58,9 @@ class ModelConfig:
     tiny_cache_dir: str | None = None
     fast_path: bool = True
     checkpoint_layers: int | float | None = None  # with activation_checkpointing: None = every decoder layer
+    pack_pairs: bool = False  # one packed sequence per micro-batch, no padding tokens (reranker/packing.py)
+    kernels: str = "none"  # fused kernels at load: "auto" (liger on CUDA where installed), "liger", "none"
+    compile_layers: bool = False  # torch.compile each decoder layer (reranker/kernels.py)
 
     def __post_init__(self) -> None:
         if self.finetune not in FINETUNE_MODES:
@@ -281,9 +284,13 @@ class LycheeReranker(nn.Module):
         Takes every processor output (input_ids, attention_mask, pixel_values, image_grid_thw,
         mm_token_type_ids, ...); ``labels`` and ``group_size`` from the group collator are ignored.
         """
-        inputs = self._model_inputs(batch)
-        outputs = self.base_model.model(**inputs, use_cache=False, return_dict=True)
-        last = outputs.last_hidden_state[:, -1, :]
+        if self.config.pack_pairs:  # the pairs as one sequence without padding, scored at each pair's end
+            from .packing import packed_last_hidden
+
+            last = packed_last_hidden(self.base_model.model, {k: v for k, v in batch.items() if k not in NON_MODEL_KEYS})
+        else:
+            inputs = self._model_inputs(batch)
+            last = self.base_model.model(**inputs, use_cache=False, return_dict=True).last_hidden_state[:, -1, :]
         weight = self.head_weight()
         logits = last.float() @ weight.float().t()
         bias = getattr(self.base_model.lm_head, "bias", None)
@@ -468,6 +475,10 @@ def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") 
         from .fast_vision import enable_fast_path
 
         enable_fast_path(model)
+    if cfg.pack_pairs:  # the language model attends within each pair of a packed sequence
+        from .packing import enable_packed_attention
+
+        enable_packed_attention(model)
     tok = processor.tokenizer
     reranker = LycheeReranker(model, processor, cfg, single_token_id(tok, "yes"), single_token_id(tok, "no"))
     reranker.train(trainable)
