@@ -403,9 +403,12 @@ def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") 
     """Load ``cfg.name_or_path`` (+ ``cfg.adapter``) and prepare it for ``cfg.finetune``."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
+    from .kernels import apply_kernels, resolve_kernels
+
     dev = resolve_device(device)
     if cfg.finetune == "qlora":
         _check_qlora_possible(dev)
+    resolve_kernels(cfg.kernels, dev)  # a kernel choice this machine cannot run fails before the load
     path = resolve_model_path(cfg.name_or_path, cfg.local_files_only, cfg.tiny_cache_dir)
     dtype = resolve_dtype(cfg.dtype, dev)
     kwargs: dict[str, Any] = {
@@ -431,6 +434,7 @@ def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, **kwargs)
     if cfg.finetune != "qlora":
         model.to(dev)
+    apply_kernels(model, cfg.kernels, dev)  # fused RMSNorm/SwiGLU/rope (liger) or the plain path; logged
 
     processor_path = path
     if cfg.adapter is not None and (Path(cfg.adapter) / "tokenizer_config.json").is_file():
@@ -479,6 +483,10 @@ def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") 
         from .packing import enable_packed_attention
 
         enable_packed_attention(model)
+    if cfg.compile_layers:
+        from .kernels import compile_decoder_layers
+
+        log.info("torch.compile: %d decoder layers", compile_decoder_layers(model))
     tok = processor.tokenizer
     reranker = LycheeReranker(model, processor, cfg, single_token_id(tok, "yes"), single_token_id(tok, "no"))
     reranker.train(trainable)
