@@ -82,7 +82,13 @@ def compile_decoder_layers(model: nn.Module) -> int:
     """``torch.compile`` every language-model decoder layer (in place); returns how many."""
     from .fast_vision import decoder_layers
 
+    import torch._dynamo
+
     layers = decoder_layers(model)
+    # one layer code object meets several guard sets (training / eval, with and without checkpointing, packed or
+    # padded inputs); past dynamo's default limit of 8 it would silently run the layers uncompiled
+    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, name, max(int(getattr(torch._dynamo.config, name)), 64))
     for layer in layers:
         layer.compile(dynamic=True)
     return len(layers)
