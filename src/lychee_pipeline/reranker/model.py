@@ -482,7 +482,8 @@ def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") 
     if cfg.pack_pairs:  # the language model attends within each pair of a packed sequence
         from .packing import enable_packed_attention
 
-        enable_packed_attention(model)
+        log.info("pack_pairs: pairs packed into one sequence, attention per pair (%d language model(s) switched)",
+                 enable_packed_attention(model))
     if cfg.compile_layers:
         from .kernels import compile_decoder_layers
 
