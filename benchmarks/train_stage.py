@@ -185,7 +185,8 @@ def model_spec(args, folder: Path) -> dict:
     layers = None if args.checkpoint_layers == "auto" else int(args.checkpoint_layers)
     return {"name_or_path": str(folder), "finetune": "lora", "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05,
             "activation_checkpointing": ckpt, "checkpoint_layers": layers, "attn_implementation": "sdpa",
-            "fast_path": True}
+            "fast_path": True, "pack_pairs": args.pack_pairs, "kernels": args.kernels,
+            "compile_layers": args.compile_layers}
 
 
 def run_real_stage(args, work: Path, data: Path, folder: Path, device_type: str, label: str) -> dict:
@@ -271,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", default="auto", help="training.dataloader.num_workers of the stage")
     parser.add_argument("--checkpoint-layers", default="auto", help="auto (the memory budget picks) or a count")
     parser.add_argument("--memory-budget-gib", type=float, default=40.0)
+    parser.add_argument("--pack-pairs", action="store_true", help="model.pack_pairs: pairs packed without padding")
+    parser.add_argument("--kernels", choices=("auto", "liger", "none"), default="none", help="model.kernels")
+    parser.add_argument("--compile-layers", action="store_true", help="model.compile_layers: torch.compile the layers")
     parser.add_argument("--max-pixels", type=int, default=None, help="default 448*448 (tiny 112*112)")
     parser.add_argument("--min-pixels", type=int, default=3136)
     parser.add_argument("--max-length", type=int, default=3200)

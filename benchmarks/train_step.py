@@ -14,6 +14,15 @@ Variants (one process, one model; ``--variants`` picks):
          + ``listwise_loss`` + the fast vision path + checkpointing of ``K`` decoder layers.
          Spelled ``c<K>`` (``c28``, ``c12``, ``c0``), ``cnv<K>`` = the same without the fast vision path
          (to attribute the gains), ``cw<K>`` = batched windows only (no ``no_grad`` tower).
+         ``K`` may be ``auto``: the layers ``training/memory.py`` picks for ``--max-peak-gib`` from the groups'
+         longest micro-batch (padded tokens, or real tokens with ``+pack``), as a stage with
+         ``activation_checkpointing: auto`` does.
+* levers, appended to a project variant with ``+`` (any combination, e.g. ``c17+pack+liger``):
+  ``+pack``    pairs packed into one sequence without padding (``model.pack_pairs``, reranker/packing.py);
+  ``+liger``   liger-kernel's fused RMSNorm / SwiGLU / rope (``model.kernels: liger``, reranker/kernels.py);
+  ``+compile`` ``torch.compile`` of every decoder layer (``model.compile_layers``).
+  After each variant its eval-mode yes-no scores on unseen groups are compared with the plain padded
+  project step's at the same weights: max |diff|, rankings, flipped document pairs.
 
 Each step: forward, loss, backward, gradient clipping, AdamW step, zero_grad. Warm-up, then the median
 of ``--steps`` steps with CUDA synchronisation. Prints pairs/s, tokens/s, peak GiB, MFU (4 x LM params
@@ -39,6 +48,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
+from lychee_pipeline.reranker import kernels as fused_kernels  # noqa: E402
+from lychee_pipeline.reranker import packing  # noqa: E402
 from lychee_pipeline.reranker.families import qwen2_5_vl  # noqa: E402
 from lychee_pipeline.reranker.losses import listwise_loss  # noqa: E402
 from lychee_pipeline.reranker.model import (  # noqa: E402
@@ -48,6 +59,7 @@ from lychee_pipeline.reranker.model import (  # noqa: E402
     _freeze_vision,
     enable_activation_checkpointing,
 )
+from lychee_pipeline.training import memory  # noqa: E402
 
 NON_MODEL_KEYS = ("labels", "group_size")
 
@@ -112,17 +124,67 @@ def project_logits(reranker: LycheeReranker, batch: dict) -> torch.Tensor:
 # variants
 
 
-def parse_variant(name: str, num_layers: int) -> dict:
-    if name == "a":
-        return {"name": name, "forward": "naive", "fast": None, "ckpt": None, "label": "naive HF, checkpointing on"}
-    if name == "b":
-        return {"name": name, "forward": "naive", "fast": None, "ckpt": 0, "label": "naive HF, checkpointing off"}
+LEVERS = ("pack", "liger", "compile")
+
+
+def parse_variant(name: str, num_layers: int, auto_layers: dict | None = None) -> dict:
+    """``a``, ``b``, ``c<K>``/``cnv<K>``/``cw<K>`` (``K`` a count or ``auto``), plus ``+pack``/``+liger``/``+compile``.
+
+    ``auto_layers``: {"padded": CheckpointChoice, "pack": CheckpointChoice} once the inputs are known."""
+    base, *levers = name.split("+")
+    unknown = [x for x in levers if x not in LEVERS]
+    if unknown:
+        raise ValueError(f"unknown lever(s) {unknown} in variant {name!r} (known: {', '.join(LEVERS)})")
+    flags = {lever: lever in levers for lever in LEVERS}
+    if base in ("a", "b"):
+        if levers:
+            raise ValueError(f"levers apply to the project step (c...), not to the naive variant {base!r}")
+        label = f"naive HF, checkpointing {'on' if base == 'a' else 'off'}"
+        return {"name": name, "forward": "naive", "fast": None, "ckpt": None if base == "a" else 0, "label": label,
+                **flags}
     for prefix, fast, what in (("cnv", None, "no fast vision"), ("cw", "windows", "batched windows only"), ("c", "all", "fast vision")):
-        if name.startswith(prefix) and name[len(prefix):].isdigit():
-            k = min(int(name[len(prefix):]), num_layers)
-            return {"name": name, "forward": "project", "fast": fast, "ckpt": k,
-                    "label": f"project step, {what}, {k}/{num_layers} layers checkpointed"}
+        count = base[len(prefix):]
+        if base.startswith(prefix) and (count.isdigit() or count == "auto"):
+            if count == "auto":
+                k = num_layers if auto_layers is None else auto_layers["pack" if flags["pack"] else "padded"].layers
+            else:
+                k = min(int(count), num_layers)
+            extra = "".join(f" +{lever}" for lever in LEVERS if flags[lever])
+            auto = " (auto)" if count == "auto" else ""
+            return {"name": name, "forward": "project", "fast": fast, "ckpt": k, **flags,
+                    "label": f"project step, {what}, {k}/{num_layers} layers checkpointed{auto}{extra}"}
     raise ValueError(f"unknown variant {name!r}")
+
+
+_PLAIN_ROPE: dict = {}
+
+
+def set_liger(reranker: LycheeReranker, on: bool) -> None:
+    """liger-kernel on the model instance, or back to the plain modules (so variants may come in any order)."""
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf
+
+    patched = [m for m in reranker.modules() if "forward" in m.__dict__ and m._get_name().startswith("Liger")]
+    if on and not patched:
+        fused_kernels.resolve_kernels("liger", reranker.device)  # one-line error without liger-kernel or CUDA
+        for attr in ("apply_rotary_pos_emb", "apply_multimodal_rotary_pos_emb"):
+            if hasattr(hf, attr):
+                _PLAIN_ROPE.setdefault(attr, getattr(hf, attr))
+        log(f"liger-kernel applied: {fused_kernels.apply_liger(reranker.base_model)}")
+    elif not on and patched:
+        for module in patched:
+            for attr in ("forward", "extra_repr", "_get_name"):
+                module.__dict__.pop(attr, None)
+        for attr, fn in _PLAIN_ROPE.items():
+            setattr(hf, attr, fn)
+
+
+def set_compile(reranker: LycheeReranker, on: bool) -> None:
+    layers = qwen2_5_vl.decoder_layers(reranker)
+    if on and any(layer._compiled_call_impl is None for layer in layers):
+        fused_kernels.compile_decoder_layers(reranker)
+    elif not on:
+        for layer in layers:
+            layer._compiled_call_impl = None
 
 
 def configure(reranker: LycheeReranker, spec: dict) -> None:
@@ -132,6 +194,54 @@ def configure(reranker: LycheeReranker, spec: dict) -> None:
     elif spec["fast"] == "windows":
         qwen2_5_vl.enable_fast_path(reranker, frozen_vision_no_grad=False)
     set_checkpointing(reranker, spec["ckpt"])
+    # the packed attention function is plain SDPA for padded batches: once enabled it stays
+    if spec.get("pack"):
+        packing.enable_packed_attention(reranker)
+    reranker.config.pack_pairs = bool(spec.get("pack"))
+    set_liger(reranker, bool(spec.get("liger")))
+    set_compile(reranker, bool(spec.get("compile")))
+
+
+def auto_checkpointing(reranker: LycheeReranker, groups_cpu: list, budget_gib: float) -> dict:
+    """What ``activation_checkpointing: auto`` picks for these groups, padded and packed (training/memory.py)."""
+    text = reranker.base_model.config.text_config
+    weights = memory.weights_bytes(reranker)
+    layers = len(qwen2_5_vl.decoder_layers(reranker))
+    padded = max(int(g["attention_mask"].numel()) for g in groups_cpu)
+    packed = max(int(g["attention_mask"].sum()) for g in groups_cpu)
+    return {kind: memory.choose_checkpoint_layers(tokens, int(text.hidden_size), layers, weights, budget_gib)
+            for kind, tokens in (("padded", padded), ("pack", packed))}
+
+
+@torch.no_grad()
+def eval_scores(reranker: LycheeReranker, groups: list) -> list[torch.Tensor]:
+    """Eval-mode yes-no scores of the project forward in its current configuration, per group."""
+    was_training = reranker.training
+    reranker.eval()
+    out = []
+    for batch in groups:
+        z = project_logits(reranker, batch)
+        out.append((z[:, 0] - z[:, 1]).float().cpu())
+    reranker.train(was_training)
+    return out
+
+
+def compare_scores(ref: list[torch.Tensor], got: list[torch.Tensor]) -> dict:
+    """max |diff|, groups ranked identically, discordant document pairs and the largest reference gap among them."""
+    diff, same, discordant, worst_gap, total = 0.0, 0, 0, 0.0, 0
+    for r, g in zip(ref, got):
+        diff = max(diff, float((r - g).abs().max()))
+        same += bool(torch.equal(r.argsort(descending=True), g.argsort(descending=True)))
+        dr = r[:, None] - r[None, :]
+        dg = g[:, None] - g[None, :]
+        upper = torch.triu(torch.ones_like(dr, dtype=torch.bool), diagonal=1)
+        flips = upper & (torch.sign(dr) != torch.sign(dg))
+        total += int(upper.sum())
+        discordant += int(flips.sum())
+        if flips.any():
+            worst_gap = max(worst_gap, float(dr[flips].abs().max()))
+    return {"max_abs_score_diff": diff, "same_ranking": same, "groups": len(ref), "discordant_pairs": discordant,
+            "doc_pairs": total, "largest_ref_gap_flipped": worst_gap}
 
 
 def make_step(reranker: LycheeReranker, spec: dict, groups: list, optimizer, trainable):
@@ -273,7 +383,8 @@ def profile_variant(reranker, spec, groups, optimizer, trainable, device, out_di
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny architecture, CPU-sized inputs")
-    parser.add_argument("--variants", default="a,b,c28,c16,c12", help="comma-separated: a, b, c<K>, cnv<K>, cw<K>")
+    parser.add_argument("--variants", default="a,b,c28,c16,c12",
+                        help="comma-separated: a, b, c<K>, cnv<K>, cw<K> (K a count or auto), levers +pack +liger +compile")
     parser.add_argument("--project", default=None,
                         help="the variant reported as (c) (default: the fastest c<K> within --max-peak-gib)")
     parser.add_argument("--groups", type=int, default=12, help="distinct input groups (cycled)")
@@ -283,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vision-micro", type=int, default=5, help="repetitions of the vision-tower timing (0: skip)")
     parser.add_argument("--check-groups", type=int, default=2, help="groups for the loss check (0: skip)")
     parser.add_argument("--no-grad-check", action="store_true")
+    parser.add_argument("--no-score-check", action="store_true",
+                        help="skip comparing each project variant's eval scores with the plain padded step's")
     parser.add_argument("--max-peak-gib", type=float, default=40.0)
     common.add_run_args(parser, seed=1234)
     args = parser.parse_args(argv)
@@ -314,7 +427,10 @@ def main(argv: list[str] | None = None) -> int:
     log(f"inputs: {args.groups} groups x {shape.group_size} pairs, {tok_per_group / shape.group_size:.0f} tokens/pair "
         f"(real), padding {100 * pad_frac:.1f}% of the padded batch, {stats[0]['patches'] // shape.group_size} patches/image")
 
-    specs = [parse_variant(v.strip(), num_layers) for v in args.variants.split(",") if v.strip()]
+    auto_layers = auto_checkpointing(reranker, groups_cpu, args.max_peak_gib)
+    for kind, choice in auto_layers.items():
+        log(f"auto checkpointing, {kind}: {choice.describe()}")
+    specs = [parse_variant(v.strip(), num_layers, auto_layers) for v in args.variants.split(",") if v.strip()]
     c_specs = [s for s in specs if s["forward"] == "project"]
     project_name = args.project or (c_specs[-1]["name"] if c_specs else None)
 
@@ -329,8 +445,13 @@ def main(argv: list[str] | None = None) -> int:
         log(f"vision tower, {shape.group_size} images: stock {vm['stock_ms']:.1f} ms, batched windows {vm['batched_ms']:.1f} ms "
             f"(x{vm['stock_ms'] / vm['batched_ms']:.2f}); rel diff {vm['rel_diff']:.2e}, max abs {vm['max_abs_diff']:.2e}")
 
+    plain = parse_variant("c0", num_layers)  # the reference of the score check: the padded project step, no lever
     for spec in specs:
-        configure(reranker, spec)
+        try:
+            configure(reranker, spec)
+        except RuntimeError as exc:  # e.g. +liger without liger-kernel or CUDA: say so, run the other variants
+            log(f"{spec['name']}: skipped: {exc}")
+            continue
         common.reset_peak(device)
         step = make_step(reranker, spec, groups, optimizer, trainable)
         try:
@@ -353,6 +474,16 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{spec['name']:>6}: {pairs:6.2f} pairs/s {tokens:8.0f} tok/s peak {r['peak_gib']:6.1f} GiB "
             f"MFU {100 * r['mfu']:5.1f}%  step {med * 1e3:.0f} ms [{min(times) * 1e3:.0f}-{max(times) * 1e3:.0f}]  {spec['label']}")
         optimizer.zero_grad(set_to_none=True)
+        if not args.no_score_check and spec["forward"] == "project":
+            got = eval_scores(reranker, check_groups)  # the same weights for both: the steps above trained them
+            configure(reranker, plain)
+            cmp = compare_scores(eval_scores(reranker, check_groups), got)
+            configure(reranker, spec)
+            r["score_check"] = cmp
+            log(f"{spec['name']:>6}: scores vs the plain padded step ({len(check_groups)} unseen groups, eval): max |diff| "
+                f"{cmp['max_abs_score_diff']:.2e}, same ranking {cmp['same_ranking']}/{cmp['groups']} groups, "
+                f"{cmp['discordant_pairs']}/{cmp['doc_pairs']} document pairs flipped "
+                f"(largest reference gap among them {cmp['largest_ref_gap_flipped']:.2e})")
         if spec["name"] in profiles:  # right after its timing, in the same configuration
             log(profile_variant(reranker, spec, groups, optimizer, trainable, device, args.out))
 
@@ -362,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         if fits:
             project_name = max(fits)[1]
     if project_name is not None:
-        spec = parse_variant(project_name, num_layers)
+        spec = parse_variant(project_name, num_layers, auto_layers)
         if args.check_groups > 0:
             chk = check_losses(reranker, check_groups[: args.check_groups], spec)
             results["check_losses"] = chk
@@ -390,10 +521,13 @@ def main(argv: list[str] | None = None) -> int:
 
     log("")
     log(f"summary ({env.get('gpu')}, torch {env['torch']}, transformers {env['transformers']}, matmul {tflops:.0f} TFLOP/s)")
-    log(f"{'variant':>7} {'pairs/s':>8} {'tok/s':>8} {'peak GiB':>9} {'MFU':>6}  what")
+    base = results.get(project_name, {}).get("pairs_per_s") if project_name else None
+    log(f"{'variant':>18} {'pairs/s':>8} {'tok/s':>8} {'peak GiB':>9} {'MFU':>6} {'vs (c)':>7}  what")
     for name, r in results.items():
         if isinstance(r, dict) and "pairs_per_s" in r:
-            log(f"{name:>7} {r['pairs_per_s']:8.2f} {r['tokens_per_s']:8.0f} {r['peak_gib']:9.1f} {100 * r['mfu']:5.1f}%  {r['label']}")
+            vs = f"{r['pairs_per_s'] / base:6.2f}x" if base else f"{'':>7}"
+            log(f"{name:>18} {r['pairs_per_s']:8.2f} {r['tokens_per_s']:8.0f} {r['peak_gib']:9.1f} {100 * r['mfu']:5.1f}% {vs}  "
+                f"{r['label']}")
     if project_name in results and "a" in results:
         ratio = results[project_name]["pairs_per_s"] / results["a"]["pairs_per_s"]
         results["ratio_c_over_a"] = ratio

@@ -62,6 +62,9 @@ class ModelConfig:
     tiny_cache_dir: str | None = None
     fast_path: bool = True
     checkpoint_layers: int | float | None = None  # with activation_checkpointing: None = every decoder layer
+    pack_pairs: bool = False  # one packed sequence per micro-batch, no padding tokens (reranker/packing.py)
+    kernels: str = "none"  # fused kernels at load: "auto" (liger on CUDA where installed), "liger", "none"
+    compile_layers: bool = False  # torch.compile each decoder layer (reranker/kernels.py)
 
     def __post_init__(self) -> None:
         if self.finetune not in FINETUNE_MODES:
@@ -205,9 +208,13 @@ class LycheeReranker(nn.Module):
         Takes every processor output (input_ids, attention_mask, pixel_values, image_grid_thw,
         mm_token_type_ids, ...); ``labels`` and ``group_size`` from the group collator are ignored.
         """
-        inputs = self._model_inputs(batch)
-        outputs = self.base_model.model(**inputs, use_cache=False, return_dict=True)
-        last = outputs.last_hidden_state[:, -1, :]
+        if self.config.pack_pairs:  # the pairs as one sequence without padding, scored at each pair's end
+            from .packing import packed_last_hidden
+
+            last = packed_last_hidden(self.base_model.model, {k: v for k, v in batch.items() if k not in NON_MODEL_KEYS})
+        else:
+            inputs = self._model_inputs(batch)
+            last = self.base_model.model(**inputs, use_cache=False, return_dict=True).last_hidden_state[:, -1, :]
         weight = self.head_weight()
         logits = last.float() @ weight.float().t()
         bias = getattr(self.base_model.lm_head, "bias", None)
@@ -318,9 +325,12 @@ def processing_of(folder: str | os.PathLike) -> ProcessingConfig | None:
 
 def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") -> LycheeReranker:
     """Load ``cfg.name_or_path`` (+ ``cfg.adapter``) and prepare it for ``cfg.finetune``."""
+    from .kernels import apply_kernels, resolve_kernels
+
     dev = resolve_device(device)
     if cfg.finetune == "qlora":
         _check_qlora_possible(dev)
+    resolve_kernels(cfg.kernels, dev)  # a kernel choice this machine cannot run fails before the load
     path = resolve_model_path(cfg.name_or_path, cfg.local_files_only, cfg.tiny_cache_dir)
     family = family_of(path, cfg.local_files_only)  # the architecture's classes, processor and fast paths
     dtype = resolve_dtype(cfg.dtype, dev)
@@ -347,6 +357,7 @@ def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") 
     model = family.model_class().from_pretrained(path, **kwargs)
     if cfg.finetune != "qlora":
         model.to(dev)
+    apply_kernels(model, cfg.kernels, dev)  # fused RMSNorm/SwiGLU/rope (liger) or the plain path; logged
 
     processor_path = path
     if cfg.adapter is not None and (Path(cfg.adapter) / "tokenizer_config.json").is_file():
@@ -387,6 +398,15 @@ def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") 
 
     if cfg.fast_path:  # batched vision windows, frozen tower without autograd (docs/benchmarks.md)
         family.enable_fast_path(model)
+    if cfg.pack_pairs:  # the language model attends within each pair of a packed sequence
+        from .packing import enable_packed_attention
+
+        log.info("pack_pairs: pairs packed into one sequence, attention per pair (%d language model(s) switched)",
+                 enable_packed_attention(model))
+    if cfg.compile_layers:
+        from .kernels import compile_decoder_layers
+
+        log.info("torch.compile: %d decoder layers", compile_decoder_layers(model))
     tok = processor.tokenizer
     reranker = LycheeReranker(model, processor, cfg, single_token_id(tok, "yes"), single_token_id(tok, "no"))
     reranker.train(trainable)

@@ -29,6 +29,9 @@ class ModelParams(_Strict):
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
     fast_path: bool = True
+    pack_pairs: bool = False  # a micro-batch's pairs as one sequence without padding (reranker/packing.py)
+    kernels: Literal["auto", "liger", "none"] = "none"  # fused kernels (reranker/kernels.py)
+    compile_layers: bool = False  # torch.compile each decoder layer
 
 
 class ResolutionStep(_Strict):

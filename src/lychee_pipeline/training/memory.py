@@ -6,8 +6,8 @@ frozen vision tower without autograd)::
 
     peak ≈ weights + T · hidden · (BASE + KEPT · (layers − checkpointed))        bytes
 
-``T`` = tokens of the longest micro-batch the data produces (padded: rows × longest row), ``hidden`` the
-language model's hidden size. ``KEPT`` is what one decoder layer that keeps its activations costs per token
+``T`` = tokens of the longest micro-batch the data produces (padded: rows × longest row; packed, with
+``model.pack_pairs``: its real tokens), ``hidden`` the language model's hidden size. ``KEPT`` is what one decoder layer that keeps its activations costs per token
 and hidden unit; ``BASE`` everything else that grows with tokens (checkpointed layer inputs, the layer being
 recomputed, attention and MLP transients, the vision tower's output, allocator slack).
 
@@ -109,10 +109,13 @@ def resolve_dataloader(params: dict | None, device_type: str, cpus: int, local_p
     return out
 
 
-def longest_micro_batch_tokens(pair_tokens: list[int], pairs_per_micro_batch: int) -> int:
-    """Padded tokens of the worst micro-batch: every row padded to the longest pair seen."""
+def longest_micro_batch_tokens(pair_tokens: list[int], pairs_per_micro_batch: int, packed: bool = False) -> int:
+    """Tokens of the worst micro-batch. Padded: every row padded to the longest pair seen. Packed
+    (``model.pack_pairs``, no padding tokens): the longest pairs seen, side by side."""
     if not pair_tokens:
         return 0
+    if packed:
+        return int(sum(sorted(pair_tokens, reverse=True)[: int(pairs_per_micro_batch)]))
     return int(max(pair_tokens)) * int(pairs_per_micro_batch)
 
 

@@ -126,7 +126,7 @@ def resolve_activation_checkpointing(model, collator: GroupCollator, records, tr
 
     hf = model.base_model
     text = getattr(hf.config, "text_config", hf.config)
-    tokens = memory.longest_micro_batch_tokens(lengths, pairs_per_micro_batch)
+    tokens = memory.longest_micro_batch_tokens(lengths, pairs_per_micro_batch, packed=bool(model.config.pack_pairs))
     return memory.choose_checkpoint_layers(tokens, int(text.hidden_size), len(decoder_layers(hf)),
                                            memory.weights_bytes(model), float(train.get("memory_budget_gib", 40.0)))
 

@@ -1,0 +1,109 @@
+"""Fused kernels and compiled decoder layers for the Qwen2.5-VL reranker (``model.kernels``, ``model.compile_layers``).
+
+The profile of the project's training step (docs/benchmarks.md) puts elementwise work — RMSNorm, the SwiGLU
+product, the rotary embedding, their casts and copies — at about a quarter of the GPU time. Two levers, each a
+switch at load time and measured by ``benchmarks/train_step.py``:
+
+* ``kernels``: ``"liger"`` applies liger-kernel's Triton kernels (a maintained library, the ``gpu`` extra) to the
+  model instance: RMSNorm (language model and vision blocks), SwiGLU (the language model's MLP) and the rotary
+  embedding. ``"auto"`` does so where ``liger_kernel`` is installed and the device is a CUDA GPU, and keeps the
+  plain path otherwise (CPU CI); ``"none"`` never does. Liger's cross-entropy and fused linear cross-entropy
+  are not used: the reranker reads two logits, not a vocabulary-wide loss.
+* ``compile_layers``: ``torch.compile`` on every decoder layer (one compiled graph shared by the layers, shapes
+  dynamic so a new sequence length does not recompile every step).
+
+Rotary embedding: transformers 5.x folds Qwen2.5-VL's mRoPE sections into ``cos``/``sin`` inside the rotary
+embedding module, and the attention then calls the plain rotate-half ``apply_rotary_pos_emb``; liger's own
+Qwen2.5-VL switch replaces ``apply_multimodal_rotary_pos_emb``, a function these releases no longer call. So the
+rotate-half function is replaced by liger's standard rope kernel (same layout: ``cos``/``sin`` are two equal
+halves), and the multimodal one only where a transformers release still has it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+KERNEL_CHOICES = ("auto", "liger", "none")
+
+
+def liger_installed() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def resolve_kernels(choice: str, device: torch.device | str) -> str:
+    """``"liger"`` or ``"none"`` for this device; ``"liger"`` asked for where it cannot run is a one-line error."""
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"model.kernels must be one of {KERNEL_CHOICES}, got {choice!r}")
+    device = torch.device(device)
+    if choice == "none":
+        return "none"
+    if choice == "auto":
+        return "liger" if device.type == "cuda" and liger_installed() else "none"
+    if not liger_installed():
+        raise RuntimeError("model.kernels=liger needs liger-kernel (pip install 'lychee_pipeline[gpu]'); "
+                           "use kernels=auto or none on this machine")
+    if device.type != "cuda":
+        raise RuntimeError(f"model.kernels=liger needs a CUDA GPU (Triton kernels), the device is {device.type!r}; "
+                           "use kernels=auto or none")
+    return "liger"
+
+
+def apply_liger(model: nn.Module) -> dict[str, Any]:
+    """liger-kernel's RMSNorm, SwiGLU and rope on a loaded ``Qwen2_5_VLForConditionalGeneration`` (before LoRA is
+    applied). Returns what was replaced, for the log."""
+    from liger_kernel.transformers import apply_liger_kernel_to_qwen2_5_vl
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf
+
+    apply_liger_kernel_to_qwen2_5_vl(rope=False, cross_entropy=False, fused_linear_cross_entropy=False,
+                                     rms_norm=True, swiglu=True, model=model)
+    if hasattr(hf, "apply_multimodal_rotary_pos_emb"):  # releases that apply mRoPE in the attention
+        from liger_kernel.transformers.qwen2vl_mrope import liger_multimodal_rotary_pos_emb
+
+        hf.apply_multimodal_rotary_pos_emb = liger_multimodal_rotary_pos_emb
+        rope = "multimodal"
+    else:  # mRoPE folded into cos/sin: the attention calls the rotate-half function
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+        hf.apply_rotary_pos_emb = liger_rotary_pos_emb
+        rope = "rotate-half"
+    norms = sum(1 for m in model.modules() if m._get_name() == "LigerRMSNorm")
+    mlps = sum(1 for m in model.modules() if m._get_name() == "LigerSwiGLUMLP")
+    return {"rms_norm_modules": norms, "swiglu_modules": mlps, "rope": rope}
+
+
+def compile_decoder_layers(model: nn.Module) -> int:
+    """``torch.compile`` every language-model decoder layer (in place); returns how many."""
+    from .families.qwen2_5_vl import decoder_layers
+
+    import torch._dynamo
+
+    layers = decoder_layers(model)
+    # one layer code object meets several guard sets (training / eval, with and without checkpointing, packed or
+    # padded inputs); past dynamo's default limit of 8 it would silently run the layers uncompiled
+    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, name, max(int(getattr(torch._dynamo.config, name)), 64))
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
+
+
+def apply_kernels(model: nn.Module, choice: str, device: torch.device | str) -> str:
+    """Resolve ``model.kernels`` for ``device`` and apply it; logs the outcome once. Returns ``"liger"``/``"none"``."""
+    kind = resolve_kernels(choice, device)
+    if kind == "liger":
+        from importlib.metadata import version
+
+        done = apply_liger(model)
+        log.info("fused kernels: liger-kernel %s (%d RMSNorm, %d SwiGLU modules, %s rope)", version("liger-kernel"),
+                 done["rms_norm_modules"], done["swiglu_modules"], done["rope"])
+    else:
+        why = "asked for" if choice == "none" else ("not installed" if not liger_installed() else "not a CUDA device")
+        log.info("fused kernels: none (kernels=%s, %s): plain PyTorch path", choice, why)
+    return kind

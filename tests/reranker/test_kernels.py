@@ -1,0 +1,55 @@
+"""``model.kernels`` / ``model.compile_layers`` (reranker/kernels.py): the CPU keeps the plain PyTorch path, and a
+kernel choice this machine cannot run is a one-line error before the model loads."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from lychee_pipeline.reranker import kernels
+from lychee_pipeline.reranker.families.qwen2_5_vl import decoder_layers
+
+
+def _patched_modules(model) -> list[str]:
+    """Modules whose forward was replaced on the instance (how liger-kernel patches a loaded model)."""
+    return [name for name, m in model.named_modules() if "forward" in m.__dict__ and "Liger" in m._get_name()]
+
+
+@pytest.mark.parametrize("choice", ["none", "auto"])
+def test_none_and_auto_keep_the_plain_path_on_cpu(make_model, choice, caplog):
+    with caplog.at_level(logging.INFO, logger="lychee_pipeline.reranker.kernels"):
+        model = make_model(kernels=choice)
+    assert kernels.resolve_kernels(choice, "cpu") == "none"
+    assert _patched_modules(model) == []
+    layer = decoder_layers(model)[0]
+    assert type(layer.mlp).__name__ == "Qwen2MLP" and "forward" not in layer.mlp.__dict__
+    assert "forward" not in layer.input_layernorm.__dict__
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fused kernels")]
+    assert len(lines) == 1 and "none" in lines[0]  # logged once
+
+
+def test_liger_without_liger_is_a_one_line_error(make_model, monkeypatch):
+    monkeypatch.setattr(kernels, "liger_installed", lambda: False)
+    with pytest.raises(RuntimeError, match=r"kernels=liger needs liger-kernel") as info:
+        make_model(kernels="liger")
+    assert "\n" not in str(info.value)
+    assert kernels.resolve_kernels("auto", "cuda") == "none"  # auto without liger: the plain path, no error
+
+
+def test_liger_needs_cuda_and_unknown_choices_are_refused(monkeypatch):
+    monkeypatch.setattr(kernels, "liger_installed", lambda: True)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        kernels.resolve_kernels("liger", "cpu")
+    assert kernels.resolve_kernels("auto", "cuda") == "liger"
+    assert kernels.resolve_kernels("auto", "cpu") == "none"
+    with pytest.raises(ValueError, match="must be one of"):
+        kernels.resolve_kernels("triton", "cpu")
+
+
+def test_compiled_layers_are_marked(make_model):
+    model = make_model(compile_layers=True)
+    layers = decoder_layers(model)
+    assert layers and all(layer._compiled_call_impl is not None for layer in layers)
+    assert all(layer._compiled_call_impl is None for layer in decoder_layers(make_model()))

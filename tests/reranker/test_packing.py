@@ -1,0 +1,180 @@
+"""Packing a group's pairs into one sequence (reranker/packing.py) computes what the padded path computes:
+fp32 on the CPU, the built-in tiny Qwen2.5-VL, pairs of different lengths, with and without images (so the
+3-D mRoPE positions matter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from lychee_pipeline.reranker import packing
+from lychee_pipeline.reranker.families import qwen2_5_vl
+from lychee_pipeline.reranker.collate import GroupCollator, PairCollator
+from lychee_pipeline.reranker.inference import Reranker
+from lychee_pipeline.reranker.losses import listwise_loss
+
+
+def _image(path, w, h, seed):
+    gen = torch.Generator().manual_seed(seed)
+    Image.fromarray((torch.rand(h, w, 3, generator=gen) * 255).to(torch.uint8).numpy()).save(path)
+    return str(path)
+
+
+def _rows(tmp_path, n_groups=2, group_size=4, images=True):
+    """Groups whose documents differ in length; every second document has an image of its own size, and the
+    first group's query has an image too (image and text-only pairs mixed in one batch)."""
+    sizes = [(224, 224), (168, 280), (112, 112), (196, 140)]
+    rows = []
+    for r in range(n_groups):
+        docs = []
+        for d in range(group_size):
+            w, h = sizes[(r + d) % len(sizes)]
+            image = _image(tmp_path / f"img_{r}_{d}.png", w, h, 10 * r + d) if images and d % 2 == 0 else None
+            docs.append({"doc_id": f"d{r}{d}", "text": f"document {d} of query {r}, red shoes " * (1 + 2 * d),
+                         "image": image, "meta": "{}", "hard": True})
+        query_image = _image(tmp_path / f"q_{r}.png", 140, 112, 99 + r) if images and r == 0 else None
+        rows.append({"record_id": f"r{r}", "query": {"text": f"query {r}: red running shoes", "image": query_image},
+                     "positives": docs[:1], "negatives": docs[1:], "task_type": "t2it", "language": "en"})
+    return rows
+
+
+def _pair_of_models(make_model, **overrides):
+    """The padded reference and a packed model with the same weights (LoRA B non-zero: every LoRA matrix
+    then gets a gradient)."""
+    padded = make_model(lora_dropout=0.0, **overrides)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(5)
+        for name, p in padded.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    packed = make_model(lora_dropout=0.0, pack_pairs=True, **overrides)
+    packed.load_state_dict(padded.state_dict())
+    return padded, packed
+
+
+def _model_batch(batch):
+    return {k: v for k, v in batch.items() if k not in ("labels", "group_size")}
+
+
+def test_pack_inputs_layout(make_model, tmp_path):
+    model = make_model(pack_pairs=True)
+    batch = GroupCollator(model.processor, group_size=4)(_rows(tmp_path, n_groups=1))
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    assert len(set(lengths)) > 1  # pairs of different lengths, so the padded batch has padding
+    inputs, plan, last = packing.pack_inputs(model.base_model.model, _model_batch(batch))
+    assert plan.lengths == tuple(lengths)
+    assert inputs["input_ids"].shape == (1, sum(lengths))
+    assert inputs["position_ids"].shape == (4, 1, sum(lengths))
+    assert last.tolist() == [e - 1 for e in plan.ends]
+    text = inputs["position_ids"][0, 0]
+    for start, end in zip(plan.starts, plan.ends):  # text positions restart at 0 for every pair
+        assert text[start:end].tolist() == list(range(end - start))
+    # the packed tokens are the real tokens of the rows, in row order
+    real = torch.cat([row[mask.bool()] for row, mask in zip(batch["input_ids"], batch["attention_mask"])])
+    assert torch.equal(inputs["input_ids"][0], real)
+    # image tokens carry 3-D positions that differ from the text positions (mRoPE is in play)
+    image_rows = inputs["mm_token_type_ids"][0] == 1
+    assert image_rows.any()
+    assert not torch.equal(inputs["position_ids"][2, 0][image_rows], text[image_rows])
+
+
+@pytest.mark.parametrize("images", [True, False], ids=["images", "text_only"])
+def test_packed_scores_equal_padded(make_model, tmp_path, images):
+    padded, packed = _pair_of_models(make_model)
+    batch = _model_batch(GroupCollator(padded.processor, group_size=4)(_rows(tmp_path, images=images)))
+    assert bool((batch["attention_mask"] == 0).any())  # the padded path really pads
+    padded.eval()
+    packed.eval()
+    with torch.no_grad():
+        ref = padded(**batch)
+        out = packed(**batch)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_scores_need_the_mrope_positions(make_model, tmp_path):
+    """The check above can fail: packing with plain 1-D positions for the image tokens changes the scores."""
+    padded, packed = _pair_of_models(make_model)
+    batch = _model_batch(GroupCollator(padded.processor, group_size=4)(_rows(tmp_path)))
+    packed.eval()
+    vl = packed.base_model.model
+    inputs, plan, last = packing.pack_inputs(vl, batch)
+    text_only = inputs["position_ids"][0:1].expand(3, -1, -1)
+    with torch.no_grad():
+        right = vl(**{**inputs, "position_ids": inputs["position_ids"][1:]}, use_cache=False,
+                   **{packing.PLAN_KWARG: plan.as_tensor()}).last_hidden_state[0, last]
+        wrong = vl(**{**inputs, "position_ids": text_only}, use_cache=False,
+                   **{packing.PLAN_KWARG: plan.as_tensor()}).last_hidden_state[0, last]
+    assert (right - wrong).abs().max() > 1e-3
+
+
+def test_packed_group_of_one_pair(make_model, tmp_path):
+    padded, packed = _pair_of_models(make_model)
+    row = _rows(tmp_path, n_groups=1)[0]  # a micro-batch of one pair (the scorer's last batch can be one)
+    batch = PairCollator(padded.processor)([(row["query"], row["positives"][0])])
+    assert batch["input_ids"].shape[0] == 1 and batch["pixel_values"] is not None
+    padded.eval()
+    packed.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(packed(**batch), padded(**batch), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("checkpoint_layers", [None, 1], ids=["no_checkpointing", "one_layer_checkpointed"])
+def test_packed_gradients_equal_padded(make_model, tmp_path, checkpoint_layers):
+    """A listwise loss on the scores, backward: the LoRA gradients of the packed step equal the padded step's
+    (also with a checkpointed layer, whose recompute in backward must see the same pairs)."""
+    padded, packed = _pair_of_models(make_model)
+    batch = GroupCollator(padded.processor, group_size=4)(_rows(tmp_path))
+    group_size = batch["group_size"]
+    inputs = _model_batch(batch)
+
+    def grads(model):
+        if checkpoint_layers is not None:
+            qwen2_5_vl.apply_selective_checkpointing(model, layers=checkpoint_layers)
+        model.train()
+        model.zero_grad(set_to_none=True)
+        loss = listwise_loss(model(**inputs), group_size)
+        loss.backward()
+        named = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        return loss.detach(), named
+
+    loss_ref, ref = grads(padded)
+    loss_out, out = grads(packed)
+    torch.testing.assert_close(loss_out, loss_ref, rtol=1e-5, atol=1e-6)
+    assert ref.keys() == out.keys() and any("lora_A" in n for n in ref)
+    for name, g in ref.items():
+        assert g.abs().max() > 0, name
+        rel = (out[name] - g).norm() / g.norm()
+        assert rel < 1e-5, (name, float(rel))
+
+
+def test_scoring_with_packing_equals_padded(make_model, tmp_path):
+    """The scoring path (Reranker.score_pairs: sorted batches, a host thread ahead) gives the padded scores."""
+    padded, packed = _pair_of_models(make_model, finetune="frozen")
+    rows = _rows(tmp_path, n_groups=2)
+    pairs = [(row["query"], doc) for row in rows for doc in row["positives"] + row["negatives"]]
+    scores = {}
+    for name, model in (("padded", padded), ("packed", packed)):
+        model.eval()
+        scores[name] = Reranker(model, batch_size=3, max_pixels=64 * 28 * 28).score_pairs(pairs)
+    torch.testing.assert_close(torch.tensor(scores["packed"]), torch.tensor(scores["padded"]), rtol=0, atol=1e-6)
+
+
+def test_packed_attention_needs_sdpa(make_model):
+    model = make_model(attn_implementation="eager")
+    with pytest.raises(ValueError, match="needs attn_implementation 'sdpa'"):
+        packing.enable_packed_attention(model)
+    with pytest.raises(RuntimeError, match="not switched to packed attention"):
+        packing.packed_last_hidden(model.base_model.model, {"input_ids": torch.ones(1, 3, dtype=torch.long)})
+
+
+def test_memory_plan_counts_packed_tokens():
+    """`activation_checkpointing: auto` sizes a packed micro-batch by its real tokens, not rows × longest row."""
+    from lychee_pipeline.training import memory
+
+    lengths = [900, 850, 600, 700, 880, 500]
+    assert memory.longest_micro_batch_tokens(lengths, 4) == 4 * 900
+    assert memory.longest_micro_batch_tokens(lengths, 4, packed=True) == 900 + 880 + 850 + 700
+    padded = memory.choose_checkpoint_layers(8 * 1400, 3584, 28, 16 * 2**30, 40.0)
+    packed = memory.choose_checkpoint_layers(8 * 1200, 3584, 28, 16 * 2**30, 40.0)
+    assert packed.layers < padded.layers  # fewer tokens: fewer layers need checkpointing
