@@ -397,12 +397,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-score-check", action="store_true",
                         help="skip comparing each project variant's eval scores with the plain padded step's")
     parser.add_argument("--max-peak-gib", type=float, default=40.0)
+    parser.add_argument("--sdpa-backends", default="default",
+                        help="default, or a comma-separated subset of flash,efficient,cudnn,math that SDPA may use "
+                             "(e.g. flash,efficient: no cuDNN attention, which plans each new shape)")
     common.add_run_args(parser, seed=1234)
     args = parser.parse_args(argv)
     device, dtype = common.pick_device(parser, args)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
+    if args.sdpa_backends != "default":
+        allowed = set(args.sdpa_backends.split(","))
+        torch.backends.cuda.enable_flash_sdp("flash" in allowed)
+        torch.backends.cuda.enable_mem_efficient_sdp("efficient" in allowed)
+        torch.backends.cuda.enable_cudnn_sdp("cudnn" in allowed)
+        torch.backends.cuda.enable_math_sdp("math" in allowed)
+        log(f"SDPA backends allowed: {sorted(allowed)}")
     env = common.environment(device)
     log(f"env {json.dumps(env)}")
     tflops = common.matmul_tflops(device)
