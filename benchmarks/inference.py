@@ -22,7 +22,10 @@ them: all 800x800, or mixed sizes (400x300 .. 3000x2000, portrait and landscape)
 default pixel budget (1280·28·28), 48 queries x 8 documents. Reported: ``core`` end to end (host thread
 preparing ahead), ``core-serial`` (the same, host work in line: ``prefetch_batches=0``), ``gpu-only`` (the
 same batches encoded beforehand and already on the device: forward + scores only) and the ``naive`` loop;
-targets: core >= 0.95 x gpu-only and >= 2.5 x naive.
+targets: core >= 0.95 x gpu-only and >= 2.5 x naive. The core line also says when its first forward started
+(the device's idle time at the start), the first batch's size and the host phases summed over the preparing
+threads; ``--previous`` adds ``core-previous``: the core with one preparing thread and no first-batch split
+(the earlier host pipeline; scores read back the new way), on the same pairs in the same run.
 
     PYTHONPATH=src python benchmarks/inference.py --images jpeg800
     PYTHONPATH=src python benchmarks/inference.py --images mixed
@@ -333,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = {"pairs_per_s": len(pairs) / secs, "seconds": secs, "peak_gib": common.peak_gib(device),
                          "host_prepare_s": phases["prepare_s"], "host_decode_s": phases["decode_s"],
                          "host_encode_s": phases["encode_s"], "first_forward_after_s": first["t"] - began,
-                         "prepare_workers": scorer._workers(), "first_batch": bounds[0][1] if bounds else 0,
+                         "prepare_workers": scorer._workers(), "first_chunk": bounds[0][1] if bounds else 0,
                          "batches": sum(-(-(e - s) // bs) for s, e in bounds),
                          "label": f"{cls.__name__}.score_pairs, batch {bs} length-sorted, last-position logits"
                                   + (", fast vision" if fast else ", stock vision"),
@@ -375,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         if "host_prepare_s" in r:
             extra += (f"; host prepare {r['host_prepare_s']:.1f} s, image decode {r['host_decode_s']:.1f} s, "
                       f"encode {r['host_encode_s']:.1f} s (summed over {r['prepare_workers']} thread(s)); first "
-                      f"forward after {r['first_forward_after_s']:.2f} s (first batch {r['first_batch']} pairs, "
+                      f"forward after {r['first_forward_after_s']:.2f} s (first chunk {r['first_chunk']} pairs, "
                       f"{r['batches']} batches)")
         if "discordant_doc_pairs" in r.get("vs_naive", {}):
             c = r["vs_naive"]
