@@ -22,7 +22,10 @@ them: all 800x800, or mixed sizes (400x300 .. 3000x2000, portrait and landscape)
 default pixel budget (1280·28·28), 48 queries x 8 documents. Reported: ``core`` end to end (host thread
 preparing ahead), ``core-serial`` (the same, host work in line: ``prefetch_batches=0``), ``gpu-only`` (the
 same batches encoded beforehand and already on the device: forward + scores only) and the ``naive`` loop;
-targets: core >= 0.95 x gpu-only and >= 2.5 x naive.
+targets: core >= 0.95 x gpu-only and >= 2.5 x naive. The core line also says when its first forward started
+(the device's idle time at the start), the first batch's size and the host phases summed over the preparing
+threads; ``--previous`` adds ``core-previous``: the core with one preparing thread and no first-batch split
+(the earlier host pipeline; scores read back the new way), on the same pairs in the same run.
 
     PYTHONPATH=src python benchmarks/inference.py --images jpeg800
     PYTHONPATH=src python benchmarks/inference.py --images mixed
@@ -139,6 +142,34 @@ def instrument(collator) -> dict:
     return acc
 
 
+def instrument_all(scorer: Reranker) -> dict:
+    """:func:`instrument` on the scorer's collator and on each preparing thread's own collator, summed (host
+    seconds across threads, so with several threads more than the wall time they take)."""
+    workers = scorer._workers()
+    collators = [scorer.collator] + (scorer._worker_collators(workers) if workers > 1 else [])
+    parts = [instrument(c) for c in collators]
+    total = {}
+
+    def summed() -> dict:
+        for key in parts[0]:
+            total[key] = sum(p[key] for p in parts)
+        return total
+
+    total["sum"] = summed
+    return total
+
+
+def first_forward_clock(model) -> dict:
+    """Host clock of the model's next forward call (when the device gets its first work of a scoring call)."""
+    seen: dict = {}
+
+    def hook(module, args, kwargs):
+        seen.setdefault("t", time.perf_counter())
+
+    seen["handle"] = model.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
 def timed(fn, device: torch.device):
     common.sync(device)
     t0 = time.perf_counter()
@@ -232,6 +263,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="in-memory 448x448 images (default) or JPEG files: 800x800 or mixed sizes")
     parser.add_argument("--text-tokens", type=int, default=None, help="mean text tokens per pair")
     parser.add_argument("--jpeg-count", type=int, default=48, help="distinct JPEG files (cycled over documents)")
+    parser.add_argument("--workers", default="auto", help="the core's prepare_workers (host threads; auto: up to 4 "
+                                                           "on a GPU machine, 1 on a CPU)")
+    parser.add_argument("--first-batch", default="auto", help="the core's first_batch (pairs of a smaller first "
+                                                               "batch; auto: batch/4 on a GPU, 0 on a CPU)")
+    parser.add_argument("--previous", action="store_true", help="also time the core as it was before the pool and "
+                                                                 "the first-batch split (one thread, no split)")
     common.add_run_args(parser, seed=7)
     args = parser.parse_args(argv)
     device, dtype = common.pick_device(parser, args)
@@ -268,30 +305,41 @@ def main(argv: list[str] | None = None) -> int:
     results["naive"] = {"pairs_per_s": len(pairs) / secs, "seconds": secs, "peak_gib": common.peak_gib(device),
                         "label": "batch 8 in input order, padded, full logits, stock vision"}
 
-    variants = [("core-nofast", Reranker, args.batch_size, False)] if args.attribute else []
-    variants += [("core", Reranker, args.batch_size, True)]
+    pipeline = {"prepare_workers": args.workers if args.workers == "auto" else int(args.workers),
+                "first_batch": args.first_batch if args.first_batch == "auto" else int(args.first_batch)}
+    variants = [("core-nofast", Reranker, args.batch_size, False, pipeline)] if args.attribute else []
+    variants += [("core", Reranker, args.batch_size, True, pipeline)]
+    if args.previous:
+        variants += [("core-previous", Reranker, args.batch_size, True, {"prepare_workers": 1, "first_batch": 0})]
     for bs in [int(b) for b in args.overlap.split(",") if b.strip()]:
-        variants.append((f"core-b{bs}", Reranker, bs, True))
+        variants.append((f"core-b{bs}", Reranker, bs, True, pipeline))
     scores = {}
-    for name, cls, bs, fast in variants:
+    for name, cls, bs, fast, options in variants:
         qwen2_5_vl.disable_fast_path(reranker)
         if fast:
             qwen2_5_vl.enable_fast_path(reranker)
-        scorer = cls(reranker, batch_size=bs)
+        scorer = cls(reranker, batch_size=bs, **options)
         scorer.score_pairs(warm)
-        phases = instrument(scorer.collator)
+        phases = instrument_all(scorer)
         common.reset_peak(device)
+        first = first_forward_clock(reranker)
+        began = time.perf_counter()
         scores[name], secs = timed(lambda: scorer.score_pairs(pairs), device)
+        first["handle"].remove()
+        phases = phases["sum"]()
+        bounds = scorer.chunk_bounds(len(pairs))
         results[name] = {"pairs_per_s": len(pairs) / secs, "seconds": secs, "peak_gib": common.peak_gib(device),
                          "host_prepare_s": phases["prepare_s"], "host_decode_s": phases["decode_s"],
-                         "host_encode_s": phases["encode_s"],
+                         "host_encode_s": phases["encode_s"], "first_forward_after_s": first["t"] - began,
+                         "prepare_workers": scorer._workers(), "first_chunk": bounds[0][1] if bounds else 0,
+                         "batches": sum(-(-(e - s) // bs) for s, e in bounds),
                          "label": f"{cls.__name__}.score_pairs, batch {bs} length-sorted, last-position logits"
                                   + (", fast vision" if fast else ", stock vision"),
                          "vs_naive": compare(ref, scores[name], args.docs)}
     if args.images != "memory":  # host work in line (no overlap), and the device alone on the same batches
         qwen2_5_vl.disable_fast_path(reranker)
         qwen2_5_vl.enable_fast_path(reranker)
-        serial = Reranker(reranker, batch_size=args.batch_size, prefetch_batches=0)
+        serial = Reranker(reranker, batch_size=args.batch_size, prefetch_batches=0, **pipeline)
         common.reset_peak(device)
         scores["core-serial"], secs = timed(lambda: serial.score_pairs(pairs), device)
         results["core-serial"] = {"pairs_per_s": len(pairs) / secs, "seconds": secs, "peak_gib": common.peak_gib(device),
@@ -299,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
                                            "(prefetch_batches=0)",
                                   "same_scores_as_core": scores["core-serial"] == scores["core"]}
         common.reset_peak(device)
-        scores["gpu-only"], secs, n_batches = gpu_only(Reranker(reranker, batch_size=args.batch_size), pairs, device)
+        scores["gpu-only"], secs, n_batches = gpu_only(Reranker(reranker, batch_size=args.batch_size, **pipeline),
+                                                       pairs, device)
         results["gpu-only"] = {"pairs_per_s": len(pairs) / secs, "seconds": secs, "peak_gib": common.peak_gib(device),
                                "label": f"the same {n_batches} batches encoded beforehand, on the device: forward only",
                                "same_scores_as_core": scores["gpu-only"] == scores["core"]}
@@ -323,7 +372,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"{c['queries_same_ranking']}/{c['queries']} queries, same top-1 {c['queries_same_top1']}/{c['queries']}")
         if "host_prepare_s" in r:
             extra += (f"; host prepare {r['host_prepare_s']:.1f} s, image decode {r['host_decode_s']:.1f} s, "
-                      f"encode {r['host_encode_s']:.1f} s")
+                      f"encode {r['host_encode_s']:.1f} s (summed over {r['prepare_workers']} thread(s)); first "
+                      f"forward after {r['first_forward_after_s']:.2f} s (first chunk {r['first_chunk']} pairs, "
+                      f"{r['batches']} batches)")
         if "discordant_doc_pairs" in r.get("vs_naive", {}):
             c = r["vs_naive"]
             extra += (f"; discordant doc pairs {c['discordant_doc_pairs']}/{c['doc_pairs']}, largest naive logit gap among "

@@ -16,11 +16,17 @@ What runs, per text length (~850 and ~1400 tokens per pair, 1 query + 1 document
    (steps after the first), peak memory as the stage reports it.
 4. Isolated step: the same model folder loaded in this process with the same checkpointed layers the stage
    chose, the same collator on the same records, batches already on the device: forward, loss, backward,
-   clipping, fused AdamW, zero_grad; median of ``--step-steps`` after warm-up.
+   clipping, fused AdamW, zero_grad; after warm-up, as many steps as the stage's compared window, with no host
+   synchronisation between them (as in the stage).
+5. The same window: the stage's rate over its steps ``--window-from``..end (default 11..end: start-up left
+   out) from the per-step timings in its result (``timing.per_step``; on CUDA on the device's clock), against
+   the isolated step's. Both are attributed by ``training.step_timing.StepTiming``: host time blocked on the
+   data loader, host issue time, the loop's tail (read-back, logging, heartbeat), the GPU's span of each step
+   and its idle gap before it (CUDA events read back only once completed), Python GC, cudaMalloc calls.
 
 Prints pairs/s of both, the ratio stage / step (target >= 0.95), peak GiB (target <= 40 with auto), the
-collator's host cost per group, and writes ``train_stage.json`` under ``--out`` ($OUT). Needs torch,
-transformers, peft, accelerate, datasets, pyarrow, Pillow, pyyaml; not kedro or mlflow.
+attribution lines, the collator's host cost per group, and writes ``train_stage.json`` under ``--out``
+($OUT). Needs torch, transformers, peft, accelerate, datasets, pyarrow, Pillow, pyyaml; not kedro or mlflow.
 """
 
 from __future__ import annotations
@@ -200,13 +206,16 @@ def run_real_stage(args, work: Path, data: Path, folder: Path, device_type: str,
     return result
 
 
-def isolated_step(args, data: Path, folder: Path, device: torch.device, layers: int) -> dict:
+def isolated_step(args, data: Path, folder: Path, device: torch.device, layers: int, steps: int) -> dict:
     """The stage's step without the stage: same model folder, collator, records, checkpointed layers; inputs
-    collated beforehand and already on the device."""
+    collated beforehand and already on the device. Timed as the stage is: ``steps`` steps after warm-up with
+    no host synchronisation between them (one before, one after), attributed by the same
+    :class:`~lychee_pipeline.training.step_timing.StepTiming`."""
     import datasets
 
     from lychee_pipeline.reranker import GroupCollator, ModelConfig, listwise_loss, load_reranker
     from lychee_pipeline.reranker.families.qwen2_5_vl import apply_selective_checkpointing
+    from lychee_pipeline.training.step_timing import StepTiming
 
     records = datasets.Dataset.from_parquet(str(data))
     cfg = ModelConfig(**{k: v for k, v in model_spec(args, folder).items()
@@ -229,8 +238,8 @@ def isolated_step(args, data: Path, folder: Path, device: torch.device, layers: 
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     reranker.train()
 
-    def step(i: int) -> None:
-        batch = dict(groups[i % len(groups)])
+    def step(group: dict) -> None:
+        batch = dict(group)
         batch.pop("labels")
         group_size = batch.pop("group_size")
         with autocast:
@@ -241,16 +250,74 @@ def isolated_step(args, data: Path, folder: Path, device: torch.device, layers: 
         optimizer.zero_grad(set_to_none=True)
 
     common.reset_peak(device)
-    times = common.time_steps(step, device, args.step_warmup, args.step_steps)
-    med = statistics.median(times)
-    out = {"pairs_per_s": args.group_size / med, "median_step_s": med, "peak_gib": common.peak_gib(device),
+    for i in range(args.step_warmup):
+        step(groups[i % len(groups)])
+    timing = StepTiming(device)
+    common.sync(device)
+    t0 = time.perf_counter()
+    for n, group in enumerate(timing.batches(groups[i % len(groups)] for i in range(steps)), start=1):
+        step(group)
+        timing.step_issued(n)
+    common.sync(device)
+    wall = time.perf_counter() - t0
+    timing.close()
+    rows = timing.per_step()
+    device_walls = [r[4] + r[5] for r in rows if r[4] is not None and r[5] is not None]
+    med = statistics.median(device_walls) / 1e3 if device_walls else statistics.median(r[3] for r in rows) / 1e3
+    out = {"pairs_per_s": steps * args.group_size / wall, "mean_step_s": wall / steps, "median_step_s": med,
+           "steps": steps, "peak_gib": common.peak_gib(device),
            "tokens_per_pair": tokens, "checkpoint_layers": layers, "model_load_s": load_s,
-           "collate_ms_per_group": 1e3 * statistics.median(collate_times)}
+           "collate_ms_per_group": 1e3 * statistics.median(collate_times),
+           # the same attribution as the stage's; step 1 carries no gap (nothing before it was timed)
+           "timing": timing.summary(2, pairs_per_step=args.group_size) | {"per_step": rows}}
     del reranker, optimizer, groups, trainable
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+def stage_window(stage: dict, args) -> dict:
+    """The stage's timing over steps ``--window-from``..end, from its result's per-step rows; pairs/s on the
+    device's clock on CUDA (exact over any window), else on the host's."""
+    from lychee_pipeline.training.step_timing import summarize
+
+    timing = stage.get("timing") or {}
+    window = summarize(timing.get("per_step", []), args.window_from, pairs_per_step=args.group_size)
+    if "pairs_per_s" not in window:  # no per-step rows (an older train.py): the whole run's rate
+        window = {"first_step": 2, "last_step": stage["steps"], "steps": stage["steps"] - 1,
+                  "pairs_per_s": stage["pairs_per_s"]}
+    for key in ("gc_ms_total", "gc_collections", "allocator", "readbacks", "readback_ms_mean", "heartbeat_ms_total"):
+        if key in timing:
+            window[f"run_{key}"] = timing[key]  # over the stage's steps 2-end
+    return window
+
+
+def fmt(value, width: int = 6) -> str:
+    return f"{value:{width}.1f}" if isinstance(value, (int, float)) else f"{'-':>{width}}"
+
+
+def describe_timing(t: dict) -> str:
+    """One line: where a step's time goes (means in ms over the window)."""
+    parts = [f"{t['pairs_per_s']:.2f} pairs/s" if "pairs_per_s" in t else None]
+    for key, name in (("step_wall_ms", "host step"), ("device_step_wall_ms", "device step"),
+                      ("data_wait_ms", "data wait"), ("issue_ms", "issue"), ("tail_ms", "tail"),
+                      ("gpu_step_ms", "GPU span"), ("gpu_gap_ms", "GPU gap")):
+        if t.get(key) is not None:
+            parts.append(f"{name} {t[key]:.1f} ms")
+    for key, name in (("gpu_busy_share", "GPU busy"), ("host_blocked_on_data_share", "host blocked on data")):
+        if t.get(key) is not None:
+            parts.append(f"{name} {100 * t[key]:.0f}%")
+    for prefix in ("run_", ""):
+        if f"{prefix}gc_ms_total" in t:
+            parts.append(f"GC {t[f'{prefix}gc_ms_total']:.0f} ms in {t[f'{prefix}gc_collections']} collections")
+        if f"{prefix}allocator" in t:
+            a = t[f"{prefix}allocator"]
+            parts.append(f"cudaMalloc {a.get('device_alloc')} / cudaFree {a.get('device_free')} after step "
+                         f"{a.get('from_step')}")
+        if t.get(f"{prefix}readbacks"):
+            parts.append(f"{t[f'{prefix}readbacks']} read-backs of {t[f'{prefix}readback_ms_mean']:.1f} ms")
+    return ", ".join(p for p in parts if p)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,7 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--step-groups", type=int, default=6, help="distinct groups of the isolated step")
     parser.add_argument("--step-warmup", type=int, default=2)
-    parser.add_argument("--step-steps", type=int, default=None, help="timed isolated steps (default 10; tiny 4)")
+    parser.add_argument("--step-steps", type=int, default=None, help="timed isolated steps (default: as many as the "
+                                                                      "stage's window)")
+    parser.add_argument("--window-from", type=int, default=None,
+                        help="first stage step of the compared window (default 11 from 30 stage steps, else 2): "
+                             "leaves out start-up (workers, allocator, first read-backs)")
     parser.add_argument("--workers", default="auto", help="training.dataloader.num_workers of the stage")
     parser.add_argument("--checkpoint-layers", default="auto", help="auto (the memory budget picks) or a count")
     parser.add_argument("--memory-budget-gib", type=float, default=40.0)
@@ -288,7 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [int(x) for x in (args.lengths or ("120,200" if tiny else "850,1400")).split(",") if x.strip()]
     args.group_size = args.group_size or (4 if tiny else 8)
     args.stage_steps = args.stage_steps or (8 if tiny else 30)
-    args.step_steps = args.step_steps or (4 if tiny else 10)
+    args.window_from = args.window_from or (11 if args.stage_steps >= 30 else 2)
+    if args.window_from > args.stage_steps:
+        parser.error(f"--window-from {args.window_from} is past the stage's {args.stage_steps} steps")
+    args.step_steps = args.step_steps or (args.stage_steps - args.window_from + 1)
     args.max_pixels = args.max_pixels or ((112 * 112) if tiny else (448 * 448))
     records = args.records or (args.stage_steps + 8)
     if device.type == "cpu":  # as the stage's processes (training.launch.threads_per_process: 1)
@@ -329,32 +403,44 @@ def main(argv: list[str] | None = None) -> int:
             f"checkpointing {json.dumps(choice)}, data loader {stage.get('dataloader')}, "
             f"wall incl. launch and load {stage['stage_wall_s_incl_launch_and_load']:.0f} s, "
             f"loss {stage['losses'][0][1]:.4f} -> {stage['final_loss']:.4f}")
-        step = isolated_step(args, data, folder, device, layers)
-        ratio = stage["pairs_per_s"] / step["pairs_per_s"]
-        log(f"isolated step: {step['pairs_per_s']:.2f} pairs/s (median step {1e3 * step['median_step_s']:.0f} ms), "
+        window = stage_window(stage, args)
+        log(f"stage, steps {window.get('first_step')}-{window.get('last_step')}: {describe_timing(window)}")
+        step = isolated_step(args, data, folder, device, layers, args.step_steps)
+        ratio = window["pairs_per_s"] / step["pairs_per_s"]
+        log(f"isolated step: {step['pairs_per_s']:.2f} pairs/s over {step['steps']} steps without a sync between "
+            f"them (mean {1e3 * step['mean_step_s']:.0f} ms, median {1e3 * step['median_step_s']:.0f} ms), "
             f"peak {step['peak_gib']:.1f} GiB, {step['tokens_per_pair']:.0f} tokens/pair, "
             f"collator {step['collate_ms_per_group']:.0f} ms/group on this host (one process)")
+        log(f"isolated step, steps 2-{step['steps']}: {describe_timing(step['timing'])}")
+        log(f"stage / isolated step over {window['steps']} vs {step['steps']} steps: {ratio:.2f} "
+            f"(stage steps 2-{stage['steps']}: {stage['pairs_per_s'] / step['pairs_per_s']:.2f})")
         results["lengths"][label] = {
             "stage": {k: stage[k] for k in ("pairs_per_s", "peak_mem_gib", "steps", "wall_time_s", "final_loss",
                                             "truncation", "dataloader", "activation_checkpointing",
-                                            "stage_wall_s_incl_launch_and_load") if k in stage},
+                                            "stage_wall_s_incl_launch_and_load", "timing") if k in stage},
+            "stage_window": window,
             "stage_losses": stage["losses"],
             "step": step, "ratio_stage_over_step": ratio,
+            "ratio_all_stage_steps_over_step": stage["pairs_per_s"] / step["pairs_per_s"],
         }
 
     log("")
     log(f"train_stage summary ({env.get('gpu')}, torch {env['torch']}, transformers {env['transformers']}, "
         f"{'tiny' if tiny else '7B'} architecture, random weights, LoRA r16, groups of {args.group_size}, "
         f"{args.image_side}x{args.image_side} JPEG per document, max_pixels {args.max_pixels})")
-    log(f"{'length':>8} {'tok/pair':>8} {'stage p/s':>10} {'step p/s':>9} {'ratio':>6} {'stage GiB':>10} "
-        f"{'step GiB':>9} {'ckpt':>5}  verdict")
+    log(f"stage p/s: steps {args.window_from}-{args.stage_steps} of the stage; step p/s: {args.step_steps} isolated "
+        f"steps; data / gap: the stage's mean data-loader wait (host) and device idle between steps, ms")
+    log(f"{'length':>8} {'tok/pair':>8} {'stage p/s':>10} {'step p/s':>9} {'ratio':>6} {'data':>6} {'gap':>6} "
+        f"{'stage GiB':>10} {'step GiB':>9} {'ckpt':>5}  verdict")
     ok_all = True
     for label, r in results["lengths"].items():
         stage_peak = max(r["stage"]["peak_mem_gib"])
         ok = r["ratio_stage_over_step"] >= 0.95 and (stage_peak <= args.memory_budget_gib or device.type != "cuda")
         ok_all &= ok
-        log(f"{label:>8} {r['step']['tokens_per_pair']:8.0f} {r['stage']['pairs_per_s']:10.2f} "
-            f"{r['step']['pairs_per_s']:9.2f} {r['ratio_stage_over_step']:6.2f} {stage_peak:10.1f} "
+        w = r["stage_window"]
+        log(f"{label:>8} {r['step']['tokens_per_pair']:8.0f} {w['pairs_per_s']:10.2f} "
+            f"{r['step']['pairs_per_s']:9.2f} {r['ratio_stage_over_step']:6.2f} {fmt(w.get('data_wait_ms'))} "
+            f"{fmt(w.get('gpu_gap_ms'))} {stage_peak:10.1f} "
             f"{r['step']['peak_gib']:9.1f} {r['step']['checkpoint_layers']:>5}  "
             f"{'target met' if ok else 'TARGET MISSED'} (stage >= 0.95 x step, peak <= {args.memory_budget_gib:.0f} GiB)")
     if device.type != "cuda":

@@ -56,15 +56,17 @@ def _pairs(images, jpegs):
     return [(query, d) for d in docs] + [(other, d) for d in docs[::-1]]
 
 
-def serial_scores(scorer: Reranker, pairs) -> list[float]:
+def serial_scores(scorer: Reranker, pairs, bounds=None) -> list[float]:
     """The scoring loop as it was before the pipeline, written out: whole chunk prepared (images decoded),
-    sorted by token count, batched, one batch at a time."""
+    sorted by token count, batched, one batch at a time. ``bounds``: other chunks than every chunk_size."""
     out = [0.0] * len(pairs)
     collator = PairCollator(scorer.model.processor, scorer.collator.max_length, scorer.collator.min_pixels,
                             scorer.collator.max_pixels)
+    if bounds is None:
+        bounds = [(s, s + scorer.chunk_size) for s in range(0, len(pairs), scorer.chunk_size)]
     with torch.inference_mode():
-        for start in range(0, len(pairs), scorer.chunk_size):
-            chunk = [collator.prepare(p) for p in pairs[start : start + scorer.chunk_size]]
+        for start, end in bounds:
+            chunk = [collator.prepare(p) for p in pairs[start:end]]
             order = sorted(range(len(chunk)), key=lambda i: chunk[i][2])
             for b in range(0, len(order), scorer.batch_size):
                 idx = order[b : b + scorer.batch_size]
@@ -84,6 +86,40 @@ def test_prefetched_scoring_gives_the_serial_scores_exactly(reranker, images, jp
     inline = Reranker(reranker.model, batch_size=3, chunk_batches=2, max_pixels=max_pixels, prefetch_batches=0)
     assert inline.score_pairs(pairs) == expected
     assert len(set(expected)) > 10
+
+
+def test_several_preparing_threads_give_the_serial_scores_and_counts(reranker, images, jpegs):
+    """Three host threads, each with its own processor copy: same batches, same scores bit for bit, the
+    truncation counts back on the scorer's collator; called twice (the copies are reused)."""
+    pairs = _pairs(images, jpegs)
+    scorer = Reranker(reranker.model, batch_size=3, chunk_batches=2, max_pixels=12544, max_length=60,
+                      prepare_workers=3)
+    expected = serial_scores(scorer, pairs)
+    for call in (1, 2):
+        before = threading.active_count()
+        assert scorer.score_pairs(pairs) == expected
+        assert scorer.collator.stats.pairs == call * len(pairs)
+        assert threading.active_count() == before  # the pool's threads are gone
+    assert scorer.collator.stats.truncated_pairs > 0 and len(scorer._clones) == 3
+
+
+def test_a_small_first_batch_starts_the_device_early_with_the_same_scores(reranker, images, jpegs):
+    """``first_batch=2``: a first chunk of 2 pairs, then chunks of 1, 2 ... batches (up to chunk_size), each
+    sorted; the scores are those of a serial loop over the same chunks, close to the unsplit ones."""
+    pairs = _pairs(images, jpegs)
+    split = Reranker(reranker.model, batch_size=3, chunk_batches=2, max_pixels=12544, first_batch=2)
+    bounds = split.chunk_bounds(len(pairs))
+    assert bounds == [(0, 2), (2, 5), (5, 11), (11, 17), (17, 20)]
+    assert Reranker(reranker.model, batch_size=3, chunk_batches=2).chunk_bounds(20)[:2] == [(0, 6), (6, 12)]
+    assert split.chunk_bounds(3) == [(0, 3)]  # one batch of input: no split
+    expected = serial_scores(split, pairs, bounds)
+    positions = [p for p, _ in split.batches(pairs)]
+    assert positions[0] == [0, 1] or positions[0] == [1, 0]
+    for workers in (1, 3):
+        split.prepare_workers = workers
+        assert split.score_pairs(pairs) == expected
+    unsplit = Reranker(reranker.model, batch_size=3, chunk_batches=2, max_pixels=12544).score_pairs(pairs)
+    assert max(abs(a - b) for a, b in zip(expected, unsplit)) < 1e-4  # only the padding differs
 
 
 def test_batches_are_length_sorted_within_chunks_and_cover_every_pair(reranker, images, jpegs):
@@ -108,6 +144,9 @@ def test_a_broken_image_stops_the_host_thread_and_reaches_the_caller(reranker, i
         scorer.score_pairs(pairs)
     left = [t for t in threading.enumerate() if t.ident not in before and t.name == "lychee-score-prefetch"]
     assert not left
+    with pytest.raises(BrokenImageError, match="broken.png"):  # the same with a pool of preparing threads
+        Reranker(reranker.model, batch_size=2, chunk_batches=2, prepare_workers=2).score_pairs(pairs)
+    assert not [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("lychee-score")]
 
 
 def test_large_jpegs_are_drafted_and_headers_give_the_loaded_size(jpegs):

@@ -65,6 +65,13 @@ def test_two_workers_give_the_losses_of_in_process_collation_on_two_processes(tm
     assert workers["truncation"] == inline["truncation"] and workers["truncation"]["pairs"] == 6 * 2 * 4  # rank 0: 6 steps x 2 micro-batches x 4 pairs
     log = (tmp_path / "w2" / "t" / "stage_2cpu_final" / "launch.log").read_text()
     assert "data loader: num_workers=2" in log
+    # where each step's time went, per optimizer step (2 micro-batches each), summed over steps 2-6
+    timing = workers["timing"]
+    assert [row[0] for row in timing["per_step"]] == list(range(1, 7))
+    assert all(row[1] >= 0 and row[2] > 0 and row[3] >= row[1] + row[2] for row in timing["per_step"])
+    assert timing["steps"] == 5 and timing["first_step"] == 2 and 0 <= timing["host_blocked_on_data_share"] < 1
+    assert timing["readbacks"] == 3  # step 1, then the logging steps 4 and 6: no read-back on the others
+    assert "step time (steps 2-6): step_wall_ms" in log
     check_stage(workers, _plan(tmp_path / "w2", workers=2, log_every=4, **kwargs))
 
 

@@ -1,17 +1,22 @@
 """Scoring API: ``Reranker.score(query, docs)`` -> p(yes) per document, ``rerank`` -> best first.
 
 Pairs are measured in chunks (token counts from the text and the image headers), sorted by token length
-inside each chunk and batched, so batches carry little padding; results come back in input order. A host
-thread decodes, tokenizes and encodes the next batches (bounded queue) while the model runs on the current
-one. Runs under ``torch.inference_mode``.
+inside each chunk and batched, so batches carry little padding; results come back in input order. Host
+threads measure, decode, tokenize and encode the next batches (bounded queue) while the model runs on the
+current one; on a GPU a small first batch starts the device early, and scores come back to the host with one
+wait at the end. Runs under ``torch.inference_mode``.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+import os
 import queue
 import threading
+from collections import deque
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +30,8 @@ from .prompt import instruction_for
 log = logging.getLogger(__name__)
 
 Item = Mapping[str, Any]
+
+IN_FLIGHT = 2  # batches launched on a GPU and not yet waited for
 
 
 class Reranker:
@@ -44,6 +51,8 @@ class Reranker:
         instructions: Mapping[str, str] | None = None,
         chunk_batches: int = 32,
         prefetch_batches: int = 2,
+        prepare_workers: int | str = "auto",
+        first_batch: int | str = "auto",
     ):
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
@@ -52,8 +61,15 @@ class Reranker:
         self.chunk_size = int(batch_size) * max(int(chunk_batches), 1)
         # batches prepared ahead by the host thread (0: prepare each batch in the calling thread, no overlap)
         self.prefetch_batches = max(int(prefetch_batches), 0)
+        # host threads preparing batches (auto: several on a GPU machine, one on a CPU where the model needs the
+        # cores); each extra thread has its own copy of the processor (a tokenizer is not shared between threads)
+        self.prepare_workers = prepare_workers
+        # pairs of a first, smaller batch, so the device starts before a full batch is ready (auto: a quarter
+        # batch on a GPU; 0 on a CPU, where the host and the model share the cores and nothing would overlap)
+        self.first_batch = first_batch
         self.collator = PairCollator(model.processor, max_length, min_pixels, max_pixels, instructions)
         self.processing = ProcessingConfig(max_length, min_pixels, max_pixels, instructions)
+        self._clones: list[PairCollator] = []  # the extra threads' collators, made once and reused
 
     @classmethod
     def from_pretrained(
@@ -105,52 +121,131 @@ class Reranker:
                    settings.instructions)
 
     # -- scoring ----------------------------------------------------------------------------------
+    def _workers(self) -> int:
+        if self.prepare_workers != "auto":
+            return max(int(self.prepare_workers), 1)
+        if self.model.device.type != "cuda":
+            return 1
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - not Linux
+            cpus = os.cpu_count() or 1
+        return max(1, min(4, cpus - 2))  # one core for the scoring loop, one for the rest of the process
+
+    def _first_batch(self) -> int:
+        if self.first_batch == "auto":
+            return max(1, self.batch_size // 4) if self.model.device.type == "cuda" and self.batch_size > 1 else 0
+        return min(max(int(self.first_batch), 0), self.batch_size)
+
+    def chunk_bounds(self, n: int) -> list[tuple[int, int]]:
+        """``(start, end)`` of the chunks sorted and batched together. With a first batch of F pairs (more
+        than one batch of input only): F pairs, then chunks of 1, 2, 4 ... batches up to ``chunk_size``, so
+        each chunk's device time covers the measuring of the next; else chunks of ``chunk_size``."""
+        first = self._first_batch()
+        if not first or n <= self.batch_size:
+            return [(s, min(n, s + self.chunk_size)) for s in range(0, n, self.chunk_size)]
+        bounds, start, size = [(0, first)], first, self.batch_size
+        while start < n:
+            bounds.append((start, min(n, start + size)))
+            start += size
+            size = min(2 * size, self.chunk_size)
+        return bounds
+
+    def _batch_order(self, chunk: list[tuple[str, list[Any], int]]) -> list[list[int]]:
+        order = sorted(range(len(chunk)), key=lambda i: chunk[i][2])
+        return [order[b : b + self.batch_size] for b in range(0, len(order), self.batch_size)]
+
+    def _encode(self, collator: PairCollator, prepared: list[tuple[str, list[Any], int]]) -> dict[str, Any]:
+        batch = collator.encode([collator.decode(p) for p in prepared])
+        if self.model.device.type == "cuda":  # page-locked, so the copy to the GPU is asynchronous
+            batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        return batch
+
     def batches(self, pairs: Sequence[Sequence[Any]]):
-        """``(positions in pairs, host batch)`` in scoring order: chunks of ``chunk_size`` pairs sorted by token
-        count (measured without decoding images), then cut into batches of ``batch_size``."""
-        pin = self.model.device.type == "cuda"
-        for start in range(0, len(pairs), self.chunk_size):
+        """``(positions in pairs, host batch)`` in scoring order: chunks (:meth:`chunk_bounds`) sorted by token
+        count (measured without decoding images), then cut into batches of ``batch_size``; in this thread."""
+        for start, end in self.chunk_bounds(len(pairs)):
             # prompts rendered, tokens counted and truncation applied once; images decoded only per batch
-            chunk = [self.collator.prepare(p, decode=False, count=True)
-                     for p in pairs[start : start + self.chunk_size]]
-            order = sorted(range(len(chunk)), key=lambda i: chunk[i][2])
-            for b in range(0, len(order), self.batch_size):
-                idx = order[b : b + self.batch_size]
-                batch = self.collator.encode([self.collator.decode(chunk[i]) for i in idx])
-                if pin:  # page-locked, so the copy to the GPU is asynchronous
-                    batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-                yield [start + i for i in idx], batch
+            chunk = [self.collator.prepare(p, decode=False, count=True) for p in pairs[start:end]]
+            for idx in self._batch_order(chunk):
+                yield [start + i for i in idx], self._encode(self.collator, [chunk[i] for i in idx])
+
+    def _worker_collators(self, count: int) -> list[PairCollator]:
+        """``count`` collators with this scorer's settings, each with its own copy of the processor."""
+        while len(self._clones) < count:
+            self._clones.append(PairCollator(copy.deepcopy(self.model.processor), self.collator.max_length,
+                                             self.collator.min_pixels, self.collator.max_pixels))
+        for clone in self._clones[:count]:  # follow changes made to the main collator (set_max_pixels ...)
+            clone.max_length, clone.min_pixels = self.collator.max_length, self.collator.min_pixels
+            clone.max_pixels, clone.instructions = self.collator.max_pixels, self.collator.instructions
+        return self._clones[:count]
 
     def _prefetched(self, pairs: Sequence[Sequence[Any]]):
-        """:meth:`batches` produced by one host thread, at most ``prefetch_batches`` ahead (one thread: the
-        tokenizer and the collator's counters are not shared between threads)."""
+        """The batches of :meth:`batches`, in the same order and composition, prepared ahead by host threads:
+        at most ``prefetch_batches`` ready and waiting. One thread: :meth:`batches` in a producer thread.
+        Several: the producer hands the measuring of each chunk (in slices) and the encoding of each batch to a
+        pool whose threads each use their own collator; the next chunk is measured while this one is scored."""
         if self.prefetch_batches == 0:
             yield from self.batches(pairs)
             return
+        workers = self._workers()
         ready: queue.Queue = queue.Queue(maxsize=self.prefetch_batches)
         stop = threading.Event()
         done = object()
 
-        def produce() -> None:
-            try:
-                for item in self.batches(pairs):
-                    while not stop.is_set():
-                        try:
-                            ready.put(item, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
-                        return
-                item = done
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller, raised there
-                item = exc
+        def put(item) -> bool:
             while not stop.is_set():
                 try:
                     ready.put(item, timeout=0.1)
-                    return
+                    return True
                 except queue.Full:
                     continue
+            return False
+
+        pool = clones = None
+        if workers > 1:
+            clones = self._worker_collators(workers)
+            free: queue.SimpleQueue = queue.SimpleQueue()
+            for clone in clones:
+                free.put(clone)
+            pool = ThreadPoolExecutor(workers, thread_name_prefix="lychee-score-prepare")
+
+            def with_collator(fn, *args):
+                collator = free.get()
+                try:
+                    return fn(collator, *args)
+                finally:
+                    free.put(collator)
+
+            def measure(collator, part):
+                return [collator.prepare(p, decode=False, count=True) for p in part]
+
+            def measuring(start: int, end: int) -> list:
+                step = max(1, -(-(end - start) // (2 * workers)))  # two slices per thread: even finish times
+                return [pool.submit(with_collator, measure, pairs[s : min(end, s + step)])
+                        for s in range(start, end, step)]
+
+        def produce() -> None:
+            try:
+                if pool is None:
+                    for item in self.batches(pairs):
+                        if not put(item):
+                            return
+                else:
+                    bounds = self.chunk_bounds(len(pairs))
+                    measured = measuring(*bounds[0]) if bounds else []
+                    for k, (start, _) in enumerate(bounds):
+                        chunk = [prepared for part in measured for prepared in part.result()]
+                        for j, idx in enumerate(self._batch_order(chunk)):
+                            encoded = pool.submit(with_collator, self._encode, [chunk[i] for i in idx])
+                            if j == 0 and k + 1 < len(bounds):  # behind this chunk's first batch, not before it
+                                measured = measuring(*bounds[k + 1])
+                            if not put(([start + i for i in idx], encoded)):
+                                return
+                item = done
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, raised there
+                item = exc
+            put(item)
 
         worker = threading.Thread(target=produce, name="lychee-score-prefetch", daemon=True)
         worker.start()
@@ -161,10 +256,17 @@ class Reranker:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                yield item
+                positions, batch = item
+                yield positions, (batch.result() if pool is not None else batch)
         finally:
             stop.set()
             worker.join(timeout=30)
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+                for clone in clones:  # the clones' counts belong to this scorer's collator
+                    for key, value in clone.stats.as_dict().items():
+                        setattr(self.collator.stats, key, getattr(self.collator.stats, key) + value)
+                        setattr(clone.stats, key, 0)
 
     def score_pairs(self, pairs: Sequence[Sequence[Any]], task_types: Sequence[str | None] | None = None) -> list[float]:
         """p(yes) for each ``(query, doc)`` or ``(query, doc, instruction)`` pair, in input order.
@@ -173,9 +275,10 @@ class Reranker:
         gives every document of a record its record's ``task_type``; pass the records' task types to score as
         trained. Without one (or for None), the instruction follows the pair's own modalities.
 
-        Pairs are sorted by length within chunks (little padding). A host thread prepares the next batches
-        (image decoding, tokenization, the processor) while the model runs; each batch's scores are read back
-        after the next batch has been launched, so the device always has queued work.
+        Pairs are sorted by length within chunks (little padding). Host threads prepare the next batches
+        (image decoding, tokenization, the processor) while the model runs. On a GPU each batch's scores are
+        copied to page-locked host memory without waiting; the host waits only to stay at most
+        ``IN_FLIGHT`` batches ahead of the device (its inputs hold device memory) and once at the end.
         """
         if task_types is not None:
             if len(task_types) != len(pairs):
@@ -187,26 +290,31 @@ class Reranker:
         was_training = self.model.training
         self.model.eval()
         device = self.model.device
-        pending: tuple[list[int], torch.Tensor] | None = None
-
-        def read_back() -> None:
-            positions, probs = pending
-            for i, p in zip(positions, probs.float().cpu().tolist()):
-                scores[i] = float(p)
-
+        on_gpu = device.type == "cuda"
+        results: list[tuple[list[int], torch.Tensor]] = []
+        launched: deque = deque()  # events of the batches the device may still be working on
         try:
             with torch.inference_mode():
                 for positions, batch in self._prefetched(pairs):
                     batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                              for k, v in batch.items()}
                     probs = self.model.probabilities(self.model(**batch))
-                    if pending is not None:
-                        read_back()
-                    pending = (positions, probs)
-                if pending is not None:
-                    read_back()
+                    if on_gpu:
+                        host = torch.empty(probs.shape, dtype=probs.dtype, pin_memory=True)
+                        host.copy_(probs, non_blocking=True)  # lands when the device gets there
+                        launched.append(torch.cuda.Event())
+                        launched[-1].record(torch.cuda.current_stream(device))
+                        if len(launched) > IN_FLIGHT:
+                            launched.popleft().synchronize()  # the device still has the newer batches queued
+                        probs = host
+                    results.append((positions, probs))
+                if launched:
+                    launched[-1].synchronize()  # the one wait for the last scores
         finally:
             self.model.train(was_training)
+        for positions, probs in results:
+            for i, p in zip(positions, probs.float().tolist()):
+                scores[i] = float(p)
         return scores
 
     def score(self, query: Item, docs: Sequence[Item], instruction: str | None = None) -> list[float]:

@@ -33,6 +33,7 @@ from lychee_pipeline.training import checkpoints, memory
 from lychee_pipeline.training.heartbeat import Heartbeat  # read by the launcher's watchdog (launch.py)
 from lychee_pipeline.training.sampling import EpochPermutation, Slot, SlotDataset, loss_scale
 from lychee_pipeline.training.schedule import Schedule
+from lychee_pipeline.training.step_timing import StepTiming
 
 log = logging.getLogger("lychee_pipeline.training.train")
 
@@ -278,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     train_time, steps_timed = 0.0, 0
     step_seconds = []  # [step, seconds] of every optimizer step, for the scaling report's equal windows
     last = {"loss": float("nan"), "grad_norm": float("nan")}
+    # Where each step's time goes (data wait, host issue, device span and gaps), read without per-step syncs.
+    timing, first_step = StepTiming(accelerator.device), step + 1
 
     def read_back() -> None:
         """Move the pending steps' figures to the host: losses, skipped steps, the non-finite stop."""
@@ -315,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         loader.set_epoch(epoch)
         skip = (step - epoch * steps_per_epoch) * train["gradient_accumulation_steps"]
         epoch_loader = accelerator.skip_first_batches(loader, skip) if skip > 0 else loader
-        for batch in epoch_loader:
+        for batch in timing.batches(epoch_loader):
             labels = batch.pop("labels")
             batch.pop("group_size")
             group_weight, scale = batch.pop("group_weight"), batch.pop("loss_scale")
@@ -333,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                     loss = loss * float("nan")
                 accelerator.backward(loss)
                 if not accelerator.sync_gradients:
+                    timing.micro_batch_issued()
                     continue
                 grad_norm = torch.as_tensor(accelerator.clip_grad_norm_(trainable, train["max_grad_norm"]),
                                             device=accelerator.device).float()
@@ -346,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
                 scheduler.step()  # the schedule follows the run's step, skipped or not
                 optimizer.zero_grad()
             step += 1
+            timing.step_issued(step)
             window_steps += 1
             log_steps += 1
             learning_rates.append([step, scheduler.get_last_lr()[0]])
@@ -353,16 +358,21 @@ def main(argv: list[str] | None = None) -> int:
             log_step = step % train["log_every"] == 0 or step == total_steps
             checkpoint_step = step % train["checkpoint_every"] == 0 and step < total_steps
             if not (device_skip and not log_step and not checkpoint_step and step > 1):
+                blocked = time.perf_counter()
                 read_back()
                 now = time.perf_counter()
+                timing.add_readback(now - blocked)
+                timing.collect()  # the steps the device has finished; never waits
+                timing.mark_allocator(step)
                 elapsed, window_start = now - window_start, now
                 # each step of the window since the last read-back: its mean time (no sync in between)
                 step_seconds.extend([done, elapsed / window_steps] for done in range(step - window_steps + 1, step + 1))
                 if step > 1:  # the first step carries warm-up cost; rates come from the rest
                     train_time, steps_timed = train_time + elapsed, steps_timed + window_steps
                 if log_step:
-                    tokens = accelerator.reduce(torch.tensor(window_tokens, device=accelerator.device),
-                                                reduction="sum").item()
+                    # counted on the host: a collective (and its sync) only when there are other ranks to add
+                    tokens = window_tokens if accelerator.num_processes == 1 else accelerator.reduce(
+                        torch.tensor(window_tokens, device=accelerator.device), reduction="sum").item()
                     log_elapsed, log_start = now - log_start, now
                     if accelerator.is_main_process:
                         figures_out = {
@@ -387,12 +397,18 @@ def main(argv: list[str] | None = None) -> int:
                 state = {"step": step, "losses": losses, "learning_rates": learning_rates,
                          "skipped_steps": skipped_steps}
                 save_checkpoint(accelerator, ckpt_root, step, state, train["keep_last"])
+            beat_started = time.perf_counter()
             beat(step, "step")
+            timing.add_heartbeat(time.perf_counter() - beat_started)
             fault_point(f"after_step_{step}")
             if step >= total_steps:
                 break
         epoch += 1
     read_back()
+    timing.close()
+    timing.mark_allocator(step)
+    # the same window as pairs_per_s: the steps after this process's first
+    step_timing = timing.summary(first_step + 1, pairs_per_step=pairs_per_step) | {"per_step": timing.per_step()}
 
     beat(step, "finishing")
     # Replicas must agree after DDP steps; gather one fingerprint per rank and compare.
@@ -430,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
             "processing": trained_with.as_dict(),
             "negative_fill": collator.fill_stats.as_dict(),  # rank 0's groups (filled_slots: random negatives)
             "dataloader": loader_kwargs,
+            "timing": step_timing,  # training.step_timing: data wait, host issue, device span/gaps per step
             "activation_checkpointing": (dataclasses.asdict(checkpoint_choice) if checkpoint_choice is not None
                                          else spec["model"].get("activation_checkpointing")),
             "adapter_dir": str(adapter_dir),
@@ -449,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
         os.replace(tmp, out_dir / "result.json")
         log.info("stage %s done: %d steps, %.1f pairs/s, final loss %.4f", spec["stage"], step, result["pairs_per_s"],
                  result["final_loss"])
+        log.info("step time (steps %s-%s): %s", step_timing.get("first_step"), step_timing.get("last_step"),
+                 ", ".join(f"{k} {v:.3g}" for k, v in step_timing.items() if isinstance(v, float)))
     accelerator.wait_for_everyone()  # ranks leave together: a rank that exits early can hang in gloo teardown
     beat(step, "leaving")  # past the final barrier: the launcher treats a hang from here on as teardown
     fault_point("before_end_training")
