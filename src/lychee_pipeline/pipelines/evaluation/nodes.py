@@ -31,6 +31,7 @@ from lychee_pipeline.evaluation.score_cache import (
     pairs_hash,
     processing_settings,
 )
+from lychee_pipeline.evaluation.business import DEFAULT_KS
 from lychee_pipeline.evaluation.scoring_report import add_scoring, scoring_mlflow_metrics
 from lychee_pipeline.evaluation.score_shards import read_scores, score_pairs_in_slices, write_pairs
 from lychee_pipeline.reranker.prompt import instruction_for
@@ -371,7 +372,7 @@ def compute_business_metrics(scores: pd.DataFrame, evaluation: Mapping[str, Any]
     return _jsonable(compare_business(
         ranked,
         base=BASE,
-        ks=[int(k) for k in cfg.get("ks", [10])],
+        ks=[int(k) for k in cfg.get("ks", DEFAULT_KS)],
         examination=cfg.get("examination", "log2"),
         tail_fraction=float(cfg.get("tail_fraction", 0.8)),
     ))
