@@ -114,14 +114,3 @@ class StageParams(_Strict):
     @classmethod
     def _int_keys(cls, value):
         return {int(k): v for k, v in (value or {}).items()}
-
-
-def stage_devices(gpus: int) -> list[int]:
-    """The staging ladder: powers of two below `gpus`, then `gpus` (4 -> [1, 2, 4], 3 -> [1, 2, 3])."""
-    if gpus < 1:
-        raise ValueError(f"gpus must be >= 1, got {gpus}")
-    ladder, n = [], 1
-    while n < gpus:
-        ladder.append(n)
-        n *= 2
-    return ladder + [gpus]

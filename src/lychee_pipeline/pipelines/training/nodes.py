@@ -62,10 +62,10 @@ def run_stage_slot(training_data: str, plan: dict, slot: dict, after: Any = None
 
 
 def check_stage(result: dict, plan: dict) -> dict:
-    """The gate between stages (an unused slot passes as it is)."""
-    if result.get("unused_slot"):
-        return result
-    return gate.check_stage(stage_outcome(result), TrainingPlan.model_validate(plan).stages.gate).model_dump()
+    """The gate between stages: raises StageGateError, or passes the result on (an unused slot too)."""
+    if not result.get("unused_slot"):
+        gate.check_stage(stage_outcome(result), TrainingPlan.model_validate(plan).stages.gate)
+    return result  # passed on as it is
 
 
 def collect_stage_results(*results: dict) -> list[dict]:
