@@ -54,13 +54,17 @@ def train_records(tmp_path_factory):
 
 
 def test_gpus_2_runs_the_check_stage_then_the_final_stage(tmp_path, train_records):
-    catalog = DataCatalog({"train_records": MemoryDataset(train_records),
+    from kedro_datasets.json import JSONDataset
+
+    unused = JSONDataset(filepath=str(tmp_path / "stage_4.json"))  # a file: the runner does not free it
+    catalog = DataCatalog({"train_records": MemoryDataset(train_records), "train_stage_4_result": unused,
                            **{k: MemoryDataset(v) for k, v in _params(tmp_path, 2).items()}})
     SequentialRunner().run(create_pipeline(), catalog)
     results = catalog.load("stage_results")
     assert [(r["stage"], r["devices"], r["final"]) for r in results] == [("stage_1cpu", 1, False),
                                                                           ("stage_2cpu_final", 2, True)]
-    assert catalog.load("train_stage_4_result")["unused_slot"] is True  # a rung gpus=2 does not need
+    assert unused.load()["unused_slot"] is True  # a rung gpus=2 does not need: it said why, and launched nothing
+    assert not (tmp_path / "runs" / "wiring" / "stage_4cpu").exists()
     assert all(r["steps"] == 3 and r["spec_hash"] for r in results)
 
 
