@@ -39,7 +39,9 @@ def test_viz_build_exports_every_pipeline_node_layer_and_stage_tag(project_copy)
         exported = json.loads((api / "pipelines" / pid).read_text())
         by_type: dict[str, dict[str, dict]] = {}
         for n in exported["nodes"]:
-            by_type.setdefault(n["type"], {})[n["name"]] = n
+            # kedro-viz names a namespaced task by its own name, inside its namespace's group
+            group = n.get("modular_pipelines") or [] if n["type"] == "task" else []
+            by_type.setdefault(n["type"], {})[".".join([*group, n["name"]])] = n
         tasks, datasets = by_type["task"], by_type.get("data", {})
         pipeline = registered[pid]
 
@@ -71,7 +73,8 @@ def test_viz_build_exports_every_pipeline_node_layer_and_stage_tag(project_copy)
             assert {f"train_stage_{2 ** k}" for k in range(8)} | {"train_stage_final"} <= groups, groups
 
     # the default view is the smoke pipeline, and each dataset has a metadata page (filepath, type)
-    assert {n["name"] for n in main["nodes"] if n["type"] == "task"} == {n.name for n in registered["smoke"].nodes}
+    assert {".".join([*(n.get("modular_pipelines") or []), n["name"]]) for n in main["nodes"] if n["type"] == "task"} \
+        == {n.name for n in registered["smoke"].nodes}
     ids = {n["name"]: n["id"] for n in main["nodes"]}
     page = json.loads((api / "nodes" / ids["normalized_records"]).read_text())
     assert page["filepath"].endswith("data/03_primary/normalized_records.parquet")
