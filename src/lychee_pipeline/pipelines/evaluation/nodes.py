@@ -196,9 +196,11 @@ def stage_processing(adapter: str | None, training: Mapping[str, Any] | None) ->
     if adapter:
         spec_path = Path(adapter).parent / "spec.json"
         if spec_path.is_file():
+            from lychee_pipeline.training.stage import StageSpec
+
             try:
-                source = json.loads(spec_path.read_text()).get("training") or source
-            except ValueError:
+                source = StageSpec.read(spec_path).training.model_dump()
+            except ValueError:  # unreadable, or a spec from before the typed contract: the training parameters
                 pass
     return {k: source[k] for k in ("max_length", "min_pixels", "max_pixels") if source.get(k) is not None}
 
