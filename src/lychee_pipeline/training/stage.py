@@ -85,11 +85,12 @@ class StageResult(_Contract):
     wall_time_s: float
     pairs_per_s: float  # timed over the steps after the first
     peak_mem_gib: list[float]  # one per process
-    step_seconds: list[tuple[int, float]]  # [step, seconds] of every optimizer step
-    losses: list[tuple[int, float]]  # [step, loss] of the finite steps
-    learning_rates: list[tuple[int, float]]
+    # per-step figures as JSON rows (lists, so a reader may edit them like the JSON it came from)
+    step_seconds: list[list[int | float]]  # [step, seconds] of every optimizer step
+    losses: list[list[int | float]]  # [step, loss] of the finite steps
+    learning_rates: list[list[int | float]]  # [step, learning rate]
     schedule: dict[str, Any] | None = None  # training.schedule.Schedule's fields
-    skipped_steps: list[tuple[int, float, float]] = []  # [step, loss, gradient norm] of non-finite steps
+    skipped_steps: list[list[int | float]] = []  # [step, loss, gradient norm] of non-finite steps
     final_loss: float
     replica_max_diff: float
     truncation: dict[str, int] = {}
