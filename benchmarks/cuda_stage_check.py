@@ -1,7 +1,8 @@
 """Check the training and inference paths on CUDA in bf16 with builtin:tiny: one stage through the real
 launcher (`accelerate launch`, 1 GPU, bf16), then the saved model scored in bf16 against fp32.
 
-Needs torch, transformers, peft, accelerate, datasets, pyyaml; no kedro, no mlflow. Prints its figures.
+Needs torch, transformers, peft, accelerate, datasets, pyyaml, pydantic (the stage contract); no kedro, no mlflow.
+Prints its figures.
 `python benchmarks/cuda_stage_check.py [--devices N] [--finetune lora|full|qlora] [--strategy ddp|fsdp2|zero2|zero3]
 [--resume]` (--resume: a second launch resumes from the step-6 checkpoint and must repeat the losses after it)
 """
@@ -17,7 +18,10 @@ from pathlib import Path
 import torch
 
 from lychee_pipeline.reranker import Reranker
+from lychee_pipeline.reranker.model import ModelConfig
+from lychee_pipeline.training.config import TrainingParams
 from lychee_pipeline.training.launch import run_stage
+from lychee_pipeline.training.stage import StageResult, StageSpec
 from lychee_pipeline.training.synthetic import write_colour_item_table
 
 
@@ -32,48 +36,46 @@ def main() -> None:
     assert torch.cuda.is_available(), "this check needs a CUDA GPU"
     work = Path(tempfile.mkdtemp(prefix="cuda_check_"))
     data = write_colour_item_table(work / "data")
-    training = dict(loss="pointwise", temperature=0.05, group_size=8, per_device_batch_size=2,
-                    gradient_accumulation_steps=1, learning_rate=2e-3, weight_decay=0.0, warmup_ratio=0.0,
-                    scheduler="constant", max_grad_norm=1.0, epochs=1, max_steps=args.steps, seed=1,
-                    max_length=512, min_pixels=3136, max_pixels=50176, resolution_schedule=[],
-                    checkpoint_every=6, keep_last=2, resume=False, log_every=3,
-                    launch=dict(strategy=args.strategy, mixed_precision="auto", num_machines=1, machine_rank=0,
-                                main_process_ip=None, main_process_port=None, timeout_s=900,
-                                process_group_timeout_s=120, threads_per_process=1))
+    # the library's defaults for everything not named here
+    training = TrainingParams(loss="pointwise", group_size=8, per_device_batch_size=2, learning_rate=2e-3,
+                              warmup_ratio=0.0, scheduler="constant", max_steps=args.steps, seed=1, max_length=512,
+                              max_pixels=50176, checkpoint_every=6, keep_last=2, reuse_finished=False, log_every=3,
+                              launch={"strategy": args.strategy, "timeout_s": 900, "process_group_timeout_s": 120})
     template = None
     if args.strategy != "ddp":
         import yaml
 
         template = yaml.safe_load((Path(__file__).parent.parent / "conf/base/accelerate" / f"{args.strategy}.yaml").read_text())
-    spec = {"stage": f"cuda_check_{args.devices}gpu_{args.strategy}", "data_path": str(data), "output_dir": str(work / "stage"),
-            "model": {"name_or_path": "builtin:tiny", "finetune": args.finetune, "tiny_cache_dir": str(work / "tiny")},
-            "training": training}
+    spec = StageSpec(stage=f"cuda_check_{args.devices}gpu_{args.strategy}", data_path=str(data),
+                     output_dir=str(work / "stage"), training=training,
+                     model=ModelConfig(name_or_path="builtin:tiny", finetune=args.finetune,
+                                       tiny_cache_dir=str(work / "tiny")))
     started = time.perf_counter()
-    result = run_stage(work / "stage", spec, args.devices, "cuda", template)
+    result = StageResult.model_validate(run_stage(work / "stage", spec.model_dump(), args.devices, "cuda", template))
     log_text = (work / "stage" / "launch.log").read_text()
     print("checkpoint files:", sorted(str(p.relative_to(work / "stage")) for p in (work / "stage/checkpoints").rglob("*"))[:12])
     beats = json.loads((work / "stage" / "heartbeat" / "rank0.json").read_text())
     print("distributed type:", beats.get("distributed_type"), "| FSDP in the log:", "FSDP" in log_text)
     if args.resume:
-        first = result["losses"]
+        first = result.losses
         import shutil
 
         shutil.rmtree(work / "stage" / "adapter")
-        spec["training"] = {**training, "resume": True}
+        spec = spec.model_copy(update={"training": training.model_copy(update={"resume": True})})
         (work / "stage" / "result.json").unlink()
         for ckpt in sorted((work / "stage/checkpoints").glob("checkpoint-*")):
             if ckpt.name != "checkpoint-6":
                 shutil.rmtree(ckpt)
-        again = run_stage(work / "stage", spec, args.devices, "cuda", template)
-        pairs = [(a, b) for a, b in zip(first, again["losses"]) if a[0] > 6]
+        again = StageResult.model_validate(run_stage(work / "stage", spec.model_dump(), args.devices, "cuda", template))
+        pairs = [(a, b) for a, b in zip(first, again.losses) if a[0] > 6]
         print("resume from checkpoint-6: steps", [a[0] for a, _ in pairs], "max loss diff",
               max(abs(a[1] - b[1]) for a, b in pairs) if pairs else None)
         result = again
-    print(json.dumps({k: result[k] for k in ("stage", "devices", "device_type", "steps", "pairs_per_s",
-                                             "peak_mem_gib", "final_loss", "replica_max_diff")}))
-    losses = [x for _, x in result["losses"]]
+    print(json.dumps(result.model_dump(include={"stage", "devices", "device_type", "steps", "pairs_per_s",
+                                                "peak_mem_gib", "final_loss", "replica_max_diff"})))
+    losses = [x for _, x in result.losses]
     print(f"stage wall {time.perf_counter() - started:.1f}s; loss {losses[0]:.4f} -> {losses[-1]:.4f}")
-    saved = result["adapter_dir"]
+    saved = result.adapter_dir
     pairs = [({"text": "red dress"}, {"text": "a red dress", "image": str(work / "data/red.png")}),
              ({"text": "red dress"}, {"text": "a blue bag"}),
              ({"text": "green shoes"}, {"image": str(work / "data/green.png")})]

@@ -189,7 +189,7 @@ def training_params(args, max_steps: int) -> dict:
 def model_spec(args, folder: Path) -> dict:
     ckpt = "auto" if args.checkpoint_layers == "auto" else True
     layers = None if args.checkpoint_layers == "auto" else int(args.checkpoint_layers)
-    return {"name_or_path": str(folder), "finetune": "lora", "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05,
+    return {"name_or_path": str(folder), "finetune": "lora", "lora": {"r": 16, "alpha": 32, "dropout": 0.05},
             "activation_checkpointing": ckpt, "checkpoint_layers": layers, "attn_implementation": "sdpa",
             "fast_path": True, "pack_pairs": args.pack_pairs, "kernels": args.kernels,
             "compile_layers": args.compile_layers}

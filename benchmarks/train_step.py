@@ -75,7 +75,7 @@ def log(msg: str) -> None:
 def build_reranker(tiny: bool, device: torch.device, dtype: torch.dtype) -> LycheeReranker:
     """The 7B architecture, random weights on ``device``, prepared as ``load_reranker`` prepares a
     LoRA fine-tune (the project's own LoRA / freezing functions), wrapped in ``LycheeReranker``."""
-    cfg = ModelConfig(name_or_path="random:qwen2.5-vl-7b", finetune="lora", lora_r=16, lora_alpha=32, lora_dropout=0.05)
+    cfg = ModelConfig(name_or_path="random:qwen2.5-vl-7b", finetune="lora", lora={"r": 16, "alpha": 32, "dropout": 0.05})
     config = common.build_config(tiny=tiny)
     model = common.build_model(config, device, dtype, attn_implementation=cfg.attn_implementation)
     model = _apply_lora(model, cfg)

@@ -348,7 +348,7 @@ class ParameterCheckHooks:
                 continue
             # The planning node itself, on the same parameters: no files, no processes, no run. Quietly: the
             # node logs its plan when it runs.
-            quiet = logging.getLogger("lychee_pipeline.pipelines.training.nodes")
+            quiet = logging.getLogger("lychee_pipeline.training.planning")
             level = quiet.level
             quiet.setLevel(logging.WARNING)
             try:

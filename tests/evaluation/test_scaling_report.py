@@ -112,3 +112,15 @@ def test_a_window_too_short_or_not_timed_everywhere_is_not_comparable():
                              full_train_pairs=None)["rows"][1]
     assert resumed["scaling_efficiency"] is None
     assert resumed["not_comparable"] == "b did not time steps 3-6 of the common window 3-20 (resumed?)"
+
+
+def test_stage_results_are_read_as_they_are():
+    from stage_results import make_result
+
+    one = make_result(stage="s1", devices=1, pairs_per_s=100.0, wall_time_s=10.0, train_pairs=1000, steps=30,
+                      step_seconds=[])
+    two = make_result(stage="s2", devices=2, pairs_per_s=180.0, wall_time_s=10.0, train_pairs=1800, steps=30,
+                      step_seconds=[])
+    report = scaling_report([one, two], full_train_pairs=36_000)
+    assert [r["stage"] for r in report["rows"]] == ["s1", "s2"]
+    assert report["rows"][1]["scaling_efficiency"] == pytest.approx(0.9)

@@ -15,6 +15,7 @@ from reliability_helpers import make_table, stage_plan
 # imported first on purpose: the image check must not switch off PIL's bomb guard for the whole process
 from lychee_pipeline.pipelines.image_normalization.images import check_image
 from lychee_pipeline.pipelines.training import nodes
+from lychee_pipeline.training import planning
 from lychee_pipeline.reranker.collate import BrokenImageError, PairCollator, load_image
 
 MIN_PIXELS, MAX_PIXELS = 3136, 12544
@@ -146,7 +147,7 @@ def no_launch(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a process was launched")
 
-    monkeypatch.setattr(nodes, "run_stage", refuse)
+    monkeypatch.setattr(planning, "run_stage", refuse)
 
 
 @pytest.mark.parametrize("model,training,message", BAD_PARAMETERS)
@@ -172,10 +173,10 @@ def test_group_size_larger_than_the_negatives_fails_at_export_under_refuse(tmp_p
 
 def test_short_groups_are_filled_by_default_and_the_slots_logged(tmp_path, no_launch, caplog):
     table = make_table(tmp_path, negatives=5)
-    with caplog.at_level("INFO", logger="lychee_pipeline.pipelines.training.nodes"):
+    with caplog.at_level("INFO", logger="lychee_pipeline.training.planning"):
         assert Path(nodes.export_training_table(table, stage_plan(tmp_path / "fill", group_size=8))).is_file()
     assert "9 of 9 training records have fewer than 7 negatives (fewest: 5); 18 group slot(s) per epoch" in caplog.text
-    assert nodes.short_group_counts(table, 8) == {"records": 9, "short_records": 9, "fewest_negatives": 5,
+    assert planning.short_group_counts(table, 8) == {"records": 9, "short_records": 9, "fewest_negatives": 5,
                                                    "filled_slots_per_epoch": 18}
     # 9 records hold 9 distinct documents: a group of 10 cannot be filled without repeating or a positive
     with pytest.raises(ValueError, match="only 9 distinct documents to draw from; lower training.group_size or "
@@ -191,7 +192,7 @@ def test_negative_fill_is_a_checked_parameter(tmp_path):
 
 def test_a_hub_id_and_an_existing_folder_are_accepted(tmp_path):
     for name in ("vec-ai/lychee-rerank-mm", str(tmp_path)):
-        nodes.check_model_source(name)
+        planning.check_model_source(name)
 
 
 def test_empty_training_table_still_plans(tmp_path):

@@ -92,12 +92,13 @@ def test_training_table_export_disk_full_keeps_previous_table(tmp_path, monkeypa
     from reliability_helpers import make_table, stage_plan
 
     from lychee_pipeline.pipelines.training import nodes
+    from lychee_pipeline.training import planning
 
     plan = stage_plan(tmp_path)
     table = make_table(tmp_path)
     path = Path(nodes.export_training_table(table, plan))
     before = path.read_bytes()
-    monkeypatch.setattr(nodes.pq, "write_table", _half_then_enospc(nodes.pq.write_table))
+    monkeypatch.setattr(planning.pq, "write_table", _half_then_enospc(planning.pq.write_table))
     with pytest.raises(OSError, match="No space left on device"):
         nodes.export_training_table(table.slice(0, 2), plan)
     assert path.read_bytes() == before and sorted(p.name for p in path.parent.iterdir()) == ["train.parquet"]

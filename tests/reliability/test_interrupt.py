@@ -160,7 +160,7 @@ def test_ctrl_c_on_kedro_stops_the_whole_stage_and_resume_works(tmp_path, signum
     # intact checkpoint, two steps further; the finished check stage is reused.
     last = max(int(p.name.split("-")[1]) for p in (stage_dir / "checkpoints").glob("checkpoint-*"))
     rerun, out2 = _kedro(root, f"gpus=2,device=cpu,training.resume=true,training.max_steps={last + 2}",
-                         "kedro_2.log", "--to-nodes", "train_final_stage")
+                         "kedro_2.log", "--to-nodes", "train_stage_final.gate_stage")
     assert rerun.wait(timeout=240) == 0, out2.read_text()[-3000:]
     log_text = launch_log.read_text()
     assert f"resumed from {stage_dir.relative_to(root)}/checkpoints/checkpoint-{last} at step {last}" in log_text

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import sqlite3
@@ -18,10 +17,11 @@ from pathlib import Path
 
 import pytest
 from reliability_helpers import loss_lines, read_json, stage_plan
+from stage_results import make_result
 
-from lychee_pipeline.pipelines.training import nodes
-from lychee_pipeline.pipelines.training.nodes import run_training_stage
-from lychee_pipeline.training import checkpoints
+from lychee_pipeline.pipelines.training.nodes import export_training_table, run_training_stage
+from lychee_pipeline.training import checkpoints, planning
+from lychee_pipeline.training.planning import TrainingPlan, stage_spec
 from lychee_pipeline.training.launch import StageFailed
 
 
@@ -143,11 +143,11 @@ def test_rerun_reuses_finished_stage_and_relaunches_on_change(crashed_then_resum
 
     def fake_run_stage(stage_dir, spec, *args, **kwargs):  # stands in for a launch: records that it happened
         launches.append(spec["training"])
-        return {**first, "relaunched": True}
+        return {**first, "mlflow_run_id": "relaunched"}
 
     # same parameters, intact adapter: the stored result, no process launched
-    caplog.set_level(logging.INFO, logger=nodes.__name__)
-    no_fault_env.setattr(nodes, "run_stage", fake_run_stage)
+    caplog.set_level(logging.INFO, logger=planning.__name__)
+    no_fault_env.setattr(planning, "run_stage", fake_run_stage)
     again = run_training_stage(reliability_table, plan, devices=1, final=True)
     assert launches == []
     located = {"reused", "adapter_dir", "adapter_manifest"}  # the copy's own folders, not the original's
@@ -162,7 +162,7 @@ def test_rerun_reuses_finished_stage_and_relaunches_on_change(crashed_then_resum
     # a changed parameter relaunches
     changed_plan = stage_plan(tmp, max_steps=4, checkpoint_every=1, learning_rate=2e-3)
     changed = run_training_stage(reliability_table, changed_plan, 1, True)
-    assert changed.get("relaunched") and launches[-1]["learning_rate"] == 2e-3
+    assert changed["mlflow_run_id"] == "relaunched" and launches[-1]["learning_rate"] == 2e-3
     assert "spec hash differs" in caplog.text
 
 
@@ -174,20 +174,18 @@ def test_rerun_relaunches_when_the_adapter_is_corrupted(tmp_path, reliability_ta
     adapter.mkdir(parents=True)
     (adapter / "adapter_model.safetensors").write_bytes(b"\x00" * 256)
     checkpoints.write_folder_manifest(adapter, stage_dir / "adapter.manifest.json")
-    spec = {"stage": "stage_1cpu_final", "data_path": reliability_table, "output_dir": str(stage_dir),
-            "model": {k: v for k, v in plan["model"].items() if k != "lora"}
-            | {f"lora_{k}": v for k, v in plan["model"]["lora"].items() if v is not None},
-            "training": plan["training"]}
-    result = {"stage": "stage_1cpu_final", "adapter_dir": str(adapter), "spec_hash": nodes.spec_hash(spec),
-              "adapter_manifest": str(stage_dir / "adapter.manifest.json"), "losses": [[1, 0.5]]}
-    (stage_dir / "result.json").write_text(json.dumps(result))
+    spec = stage_spec(TrainingPlan.model_validate(plan), reliability_table, 1, final=True)
+    result = make_result(stage="stage_1cpu_final", adapter_dir=str(adapter), spec_hash=spec.spec_hash,
+                         adapter_manifest=str(stage_dir / "adapter.manifest.json"), losses=[[1, 0.5]])
+    result.write(stage_dir / "result.json")
     launches = []
-    no_fault_env.setattr(nodes, "run_stage", lambda d, s, *a, **k: launches.append(s) or {**result, "new": True})
+    no_fault_env.setattr(planning, "run_stage",
+                         lambda d, s, *a, **k: launches.append(s) or {**result.model_dump(), "mlflow_run_id": "new"})
 
     assert run_training_stage(reliability_table, plan, 1, True)["reused"] is True and not launches
     _flip_bytes(adapter / "adapter_model.safetensors", at=10)
-    caplog.set_level(logging.INFO, logger=nodes.__name__)
-    assert run_training_stage(reliability_table, plan, 1, True).get("new") and len(launches) == 1
+    caplog.set_level(logging.INFO, logger=planning.__name__)
+    assert run_training_stage(reliability_table, plan, 1, True)["mlflow_run_id"] == "new" and len(launches) == 1
     assert "adapter does not verify: checksum mismatch in adapter_model.safetensors" in caplog.text
 
 
@@ -197,9 +195,9 @@ def test_reexported_unchanged_training_table_keeps_its_bytes(tmp_path):
     from reliability_helpers import make_table
 
     plan = stage_plan(tmp_path)
-    path = Path(nodes.export_training_table(make_table(tmp_path), plan))
+    path = Path(export_training_table(make_table(tmp_path), plan))
     digest = checkpoints.sha256_file(path)
-    assert nodes.export_training_table(pq.read_table(path), plan) == str(path)
+    assert export_training_table(pq.read_table(path), plan) == str(path)
     assert checkpoints.sha256_file(path) == digest
-    nodes.export_training_table(make_table(tmp_path).slice(0, 4), plan)  # changed rows are written
+    export_training_table(make_table(tmp_path).slice(0, 4), plan)  # changed rows are written
     assert checkpoints.sha256_file(path) != digest

@@ -128,7 +128,7 @@ def _rows(tmp_path, n_groups=2, group_size=4):
 @pytest.mark.parametrize("loss_name", ["listwise", "pointwise"])
 def test_fast_training_step_matches_stock_on_builtin_tiny(make_model, tmp_path, loss_name):
     """The project's step with the fast path + selective checkpointing = the stock step with full checkpointing."""
-    model = make_model(finetune="lora", lora_dropout=0.0, fast_path=False)  # stock first, fast path below
+    model = make_model(finetune="lora", lora={"dropout": 0.0}, fast_path=False)  # stock first, fast path below
     collator = GroupCollator(model.processor, group_size=4)
     batch = collator(_rows(tmp_path))
     labels, group_size = batch.pop("labels"), batch.pop("group_size")

@@ -71,7 +71,7 @@ def test_activation_checkpointing_gives_the_same_gradients(make_model, images):
     torch.manual_seed(0)
     grads = []
     for ckpt in (False, True):
-        model = make_model(finetune="lora", lora_dropout=0.0, activation_checkpointing=ckpt)
+        model = make_model(finetune="lora", lora={"dropout": 0.0}, activation_checkpointing=ckpt)
         torch.manual_seed(1)
         with torch.no_grad():
             for p in model.trainable_parameters():

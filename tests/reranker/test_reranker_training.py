@@ -32,7 +32,7 @@ def _rows(images):
 @pytest.mark.parametrize("loss_name", ["pointwise", "listwise"])
 def test_thirty_steps_lower_the_loss(make_model, images, loss_name):
     torch.manual_seed(0)
-    model = make_model(finetune="lora", lora_dropout=0.0)
+    model = make_model(finetune="lora", lora={"dropout": 0.0})
     collator = GroupCollator(model.processor, group_size=4, max_length=256, seed=0)
     rows = _rows(images)
     optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=3e-3)

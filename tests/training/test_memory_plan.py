@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lychee_pipeline.training.config import DataLoaderParams, ModelParams, TrainingParams
+from lychee_pipeline.reranker.model import ModelConfig
+from lychee_pipeline.training.config import DataLoaderParams, TrainingParams
 from lychee_pipeline.training.memory import choose_checkpoint_layers, predicted_peak_gib, resolve_dataloader
 
 SEVEN_B = dict(hidden=3584, num_layers=28, weight_bytes=int(8.292e9 * 2))  # bf16 weights of the 7B
@@ -56,12 +57,12 @@ def test_dataloader_auto_uses_workers_on_cuda_only():
 
 
 def test_parameters_accept_auto_and_refuse_nonsense():
-    assert ModelParams().activation_checkpointing == "auto"
-    assert ModelParams(activation_checkpointing=True).activation_checkpointing is True
+    assert ModelConfig().activation_checkpointing == "auto"
+    assert ModelConfig(activation_checkpointing=True).activation_checkpointing is True
     assert TrainingParams().memory_budget_gib == 40.0
     assert TrainingParams(dataloader={"num_workers": 3}).dataloader.num_workers == 3
     for bad in ({"dataloader": {"num_workers": -1}}, {"dataloader": {"workers": 2}}, {"memory_budget_gib": 0}):
         with pytest.raises(ValueError):
             TrainingParams(**bad)
     with pytest.raises(ValueError):
-        ModelParams(activation_checkpointing="sometimes")
+        ModelConfig(activation_checkpointing="sometimes")

@@ -39,7 +39,9 @@ def test_viz_build_exports_every_pipeline_node_layer_and_stage_tag(project_copy)
         exported = json.loads((api / "pipelines" / pid).read_text())
         by_type: dict[str, dict[str, dict]] = {}
         for n in exported["nodes"]:
-            by_type.setdefault(n["type"], {})[n["name"]] = n
+            # kedro-viz names a namespaced task by its own name, inside its namespace's group
+            group = n.get("modular_pipelines") or [] if n["type"] == "task" else []
+            by_type.setdefault(n["type"], {})[".".join([*group, n["name"]])] = n
         tasks, datasets = by_type["task"], by_type.get("data", {})
         pipeline = registered[pid]
 
@@ -47,7 +49,8 @@ def test_viz_build_exports_every_pipeline_node_layer_and_stage_tag(project_copy)
         assert set(tasks) == {n.name for n in pipeline.nodes}, pid
         for n in pipeline.nodes:
             assert set(tasks[n.name]["tags"]) == set(n.tags), n.name
-            assert SNAKE.match(n.name), f"node name {n.name!r} does not say what it does"
+            # a namespaced node (a training stage) is `<namespace>.<name>`: each part says what it is
+            assert all(SNAKE.match(part) for part in n.name.split(".")), f"node name {n.name!r} does not say what it does"
 
         # every dataset (not params) has a layer, and the layers are ordered raw -> ... -> reporting
         free = {d for d in pipeline.datasets() if not d.startswith("params:") and d != "parameters"}
@@ -63,10 +66,15 @@ def test_viz_build_exports_every_pipeline_node_layer_and_stage_tag(project_copy)
             assert "training" in n.tags and any(t.startswith("stage_") for t in n.tags), n.name
         if pid == "full":
             stage_tags = {t for n in stage_nodes for t in n.tags if t.startswith("stage_")}
-            assert stage_tags == {"stage_1", "stage_2", "stage_4", "stage_8", "stage_final"}
+            # one slot per rung of the ladder (1, 2, 4, ... 128 devices), then the final stage
+            assert stage_tags == {f"stage_{2 ** k}" for k in range(8)} | {"stage_final"}
+            # each stage is one namespace (a collapsible group in kedro-viz) holding its run and its gate
+            groups = {n["name"] for n in exported["nodes"] if n["type"] == "modularPipeline"}
+            assert {f"train_stage_{2 ** k}" for k in range(8)} | {"train_stage_final"} <= groups, groups
 
     # the default view is the smoke pipeline, and each dataset has a metadata page (filepath, type)
-    assert {n["name"] for n in main["nodes"] if n["type"] == "task"} == {n.name for n in registered["smoke"].nodes}
+    assert {".".join([*(n.get("modular_pipelines") or []), n["name"]]) for n in main["nodes"] if n["type"] == "task"} \
+        == {n.name for n in registered["smoke"].nodes}
     ids = {n["name"]: n["id"] for n in main["nodes"]}
     page = json.loads((api / "nodes" / ids["normalized_records"]).read_text())
     assert page["filepath"].endswith("data/03_primary/normalized_records.parquet")

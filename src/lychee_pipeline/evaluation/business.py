@@ -140,12 +140,15 @@ def uplift(base: float | None, finetuned: float | None) -> dict[str, float | Non
     return {"base": base, "finetuned": finetuned, "uplift": finetuned - base, "uplift_rel": rel}
 
 
+DEFAULT_KS = (5, 10)  # cut-offs of the business metrics unless evaluation.business.ks names others
+
+
 def compare_business(
     ranked_by_model: Mapping[str, pd.DataFrame],
     *,
     base: str = "base",
     finetuned: str | None = None,
-    ks: Sequence[int] = (10,),
+    ks: Sequence[int] = DEFAULT_KS,
     examination: Examination = "log2",
     tail_fraction: float = 0.8,
 ) -> dict[str, Any]:

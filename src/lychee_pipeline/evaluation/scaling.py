@@ -1,6 +1,7 @@
 """The scaling report: how throughput, cost and quality change with the number of devices.
 
-Input: one dict per training stage, with at least ``stage`` (or ``name``), ``devices``,
+Input: one ``StageResult`` (training/stage.py) per training stage, or a mapping with its field names (a
+stage list read back from JSON, older results), with at least ``stage`` (or ``name``), ``devices``,
 ``device_type`` (``"cuda"`` or ``"cpu"``), ``wall_time_s``, ``train_pairs``, and optionally
 ``pairs_per_s`` (else ``train_pairs / wall_time_s``), ``peak_mem_gib`` (one number per device, or a
 single number) and ``mrr_at_10``.
@@ -145,8 +146,9 @@ def _apply_common_window(group: list[dict[str, Any]], full_train_pairs: int | No
             r["device_hours_per_epoch"] = r["devices"] * epoch / 3600.0 if epoch is not None else None
 
 
-def scaling_report(stages: Sequence[Mapping[str, Any]], full_train_pairs: int | None) -> dict[str, Any]:
+def scaling_report(stages: Sequence[Any], full_train_pairs: int | None) -> dict[str, Any]:
     """Rows per stage (see the module text), the cost-effectiveness verdict and a one-line summary."""
+    stages = [s.model_dump() if hasattr(s, "model_dump") else s for s in stages]  # StageResult -> its fields
     rows = [_row(s, i, full_train_pairs) for i, s in enumerate(stages)]
     for device_type in {r["device_type"] for r in rows}:
         group = [r for r in rows if r["device_type"] == device_type]

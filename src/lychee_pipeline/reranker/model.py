@@ -15,7 +15,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -36,23 +36,44 @@ NON_MODEL_KEYS = ("labels", "group_size")
 
 
 @dataclass
-class ModelConfig:
-    """How to load and fine-tune the reranker.
+class LoraConfig:
+    """LoRA adapter shape. ``target_modules``: a regex (peft full-match) or a list of module-name suffixes; the
+    default matches the language model's q/k/v/o projections and nothing in the vision tower."""
 
-    ``lora_target_modules``: a regex (peft full-match) or a list of module-name suffixes. The default
-    matches the language model's q/k/v/o projections and nothing in the vision tower.
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: str | list[str] = DEFAULT_LORA_TARGETS
+
+    __pydantic_config__ = {"extra": "forbid"}
+
+    def __post_init__(self) -> None:
+        if self.r <= 0 or self.alpha <= 0:
+            raise ValueError("lora r and alpha must be positive")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass
+class ModelConfig:
+    """How to load and fine-tune the reranker: the one model config of the library, the pipeline's
+    ``model:`` parameters (validated by pydantic, unknown keys refused) and a stage spec's ``model``.
+
+    ``finetune``: ``lora``, ``qlora`` (CUDA), ``full`` or ``frozen``.
+    ``activation_checkpointing``: ``True`` / ``False``, or ``"auto"``: a training stage checkpoints just
+    enough decoder layers for ``training.memory_budget_gib`` (training/memory.py); loading alone treats
+    ``auto`` as on for QLoRA only. ``checkpoint_layers``: with ``True``, how many decoder layers (None = all).
     ``dtype``: ``"auto"`` (bf16 on CUDA, fp32 on CPU), ``"bf16"``, ``"fp16"`` or ``"fp32"``.
     ``adapter``: a saved LoRA adapter folder to load on top of ``name_or_path``.
     ``freeze_vision``: in ``full`` mode, keep the vision tower frozen (always frozen in LoRA modes).
+    ``fast_path``: the optimised step (docs/benchmarks.md); False = the plain Hugging Face forward.
     """
 
     name_or_path: str = "builtin:tiny"
-    finetune: str = "lora"
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
-    lora_target_modules: str | list[str] = DEFAULT_LORA_TARGETS
-    activation_checkpointing: bool = False
+    finetune: Literal["lora", "qlora", "full", "frozen"] = "lora"
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    activation_checkpointing: bool | Literal["auto"] = "auto"
+    checkpoint_layers: int | float | None = None
     dtype: str = "auto"
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
@@ -61,20 +82,30 @@ class ModelConfig:
     freeze_vision: bool = True
     tiny_cache_dir: str | None = None
     fast_path: bool = True
-    checkpoint_layers: int | float | None = None  # with activation_checkpointing: None = every decoder layer
     pack_pairs: bool = False  # one packed sequence per micro-batch, no padding tokens (reranker/packing.py)
-    kernels: str = "none"  # fused kernels at load: "auto" (liger on CUDA where installed), "liger", "none"
+    kernels: Literal["auto", "liger", "none"] = "none"  # fused kernels at load: auto = liger on CUDA where installed
     compile_layers: bool = False  # torch.compile each decoder layer (reranker/kernels.py)
 
+    # read by pydantic where the pipeline validates its `model:` parameters (no pydantic import needed here)
+    __pydantic_config__ = {"extra": "forbid"}
+
     def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):
+            self.lora = LoraConfig(**self.lora)
         if self.finetune not in FINETUNE_MODES:
             raise ValueError(f"finetune must be one of {FINETUNE_MODES}, got {self.finetune!r}")
         if self.trust_remote_code:
             raise ValueError("trust_remote_code=True is not allowed: Qwen2.5-VL is a native transformers model")
         if self.dtype not in ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32"):
             raise ValueError(f"unknown dtype {self.dtype!r}")
-        if self.lora_r <= 0:
-            raise ValueError("lora_r must be positive")
+        if self.activation_checkpointing not in (True, False, "auto"):
+            raise ValueError(f"activation_checkpointing must be true, false or auto, got {self.activation_checkpointing!r}")
+
+    def checkpointing_at_load(self) -> bool:
+        """Whether ``load_reranker`` turns on checkpointing (``auto`` is decided later, by a training stage)."""
+        if self.activation_checkpointing == "auto":
+            return self.finetune == "qlora"
+        return bool(self.activation_checkpointing)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,13 +318,13 @@ class LycheeReranker(nn.Module):
 
 
 def _apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
 
-    lora = LoraConfig(
-        r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout,
-        target_modules=cfg.lora_target_modules,
+    lora = PeftLoraConfig(
+        r=cfg.lora.r,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules=cfg.lora.target_modules,
         bias="none",
         task_type=None,
     )
@@ -369,10 +400,10 @@ def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") 
 
         model = prepare_model_for_kbit_training(
             model,
-            use_gradient_checkpointing=cfg.activation_checkpointing,
+            use_gradient_checkpointing=cfg.checkpointing_at_load(),
             gradient_checkpointing_kwargs={"use_reentrant": False},
         )
-    elif cfg.activation_checkpointing:
+    elif cfg.checkpointing_at_load():
         family.apply_selective_checkpointing(model, layers=cfg.checkpoint_layers)
 
     trainable = cfg.finetune in ("lora", "qlora", "full")

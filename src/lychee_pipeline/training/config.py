@@ -1,4 +1,9 @@
-"""Training parameters as pydantic models, validated before any process is launched."""
+"""Training parameters as pydantic models, validated before any process is launched.
+
+The ``model:`` parameters are the library's own :class:`~lychee_pipeline.reranker.model.ModelConfig` (validated
+by pydantic where a plan or a stage spec embeds it); the processing defaults (``max_length``, ``min_pixels``,
+``max_pixels``) are the library's, from ``reranker/collate.py``.
+"""
 
 from __future__ import annotations
 
@@ -7,31 +12,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from lychee_pipeline.reranker.collate import DEFAULT_MAX_LENGTH, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class LoraParams(_Strict):
-    r: PositiveInt = 16
-    alpha: PositiveInt = 32
-    dropout: float = Field(0.05, ge=0.0, lt=1.0)
-    target_modules: list[str] | None = None
-
-
-class ModelParams(_Strict):
-    name_or_path: str = "builtin:tiny"
-    finetune: Literal["lora", "qlora", "full", "frozen"] = "lora"
-    lora: LoraParams = LoraParams()
-    # true / false, or auto: checkpoint just enough decoder layers for training.memory_budget_gib (training/memory.py)
-    activation_checkpointing: bool | Literal["auto"] = "auto"
-    checkpoint_layers: int | float | None = None  # with true: decoder layers checkpointed (None = all)
-    attn_implementation: str = "sdpa"
-    trust_remote_code: bool = False
-    fast_path: bool = True
-    pack_pairs: bool = False  # a micro-batch's pairs as one sequence without padding (reranker/packing.py)
-    kernels: Literal["auto", "liger", "none"] = "none"  # fused kernels (reranker/kernels.py)
-    compile_layers: bool = False  # torch.compile each decoder layer
 
 
 class ResolutionStep(_Strict):
@@ -93,9 +78,9 @@ class TrainingParams(_Strict):
     epochs: float = Field(1.0, gt=0.0)
     max_steps: PositiveInt | None = None
     seed: int = 42
-    max_length: PositiveInt = 3200
-    min_pixels: PositiveInt = 4 * 28 * 28
-    max_pixels: PositiveInt = 1280 * 28 * 28
+    max_length: PositiveInt = DEFAULT_MAX_LENGTH
+    min_pixels: PositiveInt = DEFAULT_MIN_PIXELS
+    max_pixels: PositiveInt = DEFAULT_MAX_PIXELS
     resolution_schedule: list[ResolutionStep] = []
     checkpoint_every: PositiveInt = 200
     keep_last: PositiveInt = 2
@@ -141,14 +126,3 @@ class StageParams(_Strict):
     @classmethod
     def _int_keys(cls, value):
         return {int(k): v for k, v in (value or {}).items()}
-
-
-def stage_devices(gpus: int) -> list[int]:
-    """The staging ladder: powers of two below `gpus`, then `gpus` (4 -> [1, 2, 4], 3 -> [1, 2, 3])."""
-    if gpus < 1:
-        raise ValueError(f"gpus must be >= 1, got {gpus}")
-    ladder, n = [], 1
-    while n < gpus:
-        ladder.append(n)
-        n *= 2
-    return ladder + [gpus]

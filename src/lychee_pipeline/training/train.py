@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -24,7 +23,7 @@ from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwa
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
-from lychee_pipeline.reranker import GroupCollator, ModelConfig, load_reranker
+from lychee_pipeline.reranker import GroupCollator, load_reranker
 from lychee_pipeline.reranker.collate import max_pixels_at, sample_group
 from lychee_pipeline.reranker.losses import LossOptions, get_loss
 from lychee_pipeline.reranker.processing import ProcessingConfig
@@ -33,6 +32,7 @@ from lychee_pipeline.training import checkpoints, memory
 from lychee_pipeline.training.heartbeat import Heartbeat  # read by the launcher's watchdog (launch.py)
 from lychee_pipeline.training.sampling import EpochPermutation, Slot, SlotDataset, loss_scale
 from lychee_pipeline.training.schedule import Schedule
+from lychee_pipeline.training.stage import RESULT_FILE, StageResult, StageSpec
 from lychee_pipeline.training.step_timing import StepTiming
 
 log = logging.getLogger("lychee_pipeline.training.train")
@@ -151,8 +151,8 @@ class NonFiniteStop(RuntimeError):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--spec", required=True, type=Path)
-    spec = json.loads(parser.parse_args(argv).spec.read_text())
-    train, out_dir = spec["training"], Path(spec["output_dir"])
+    spec = StageSpec.read(parser.parse_args(argv).spec)  # an unknown or missing field: one error, before any work
+    train, out_dir = spec.training.model_dump(), Path(spec.output_dir)
 
     accelerator = Accelerator(
         gradient_accumulation_steps=train["gradient_accumulation_steps"],
@@ -178,18 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     set_seed(train["seed"], device_specific=False)
 
     # Model and data. Every rank reads the same memory-mapped Arrow file; the sampler shards it.
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    model_spec = {k: v for k, v in spec["model"].items() if k in known}
-    auto_checkpointing = model_spec.get("activation_checkpointing") == "auto"
-    if auto_checkpointing:  # decided below, once the model's size and the data's longest batch are known
-        model_spec["activation_checkpointing"] = spec["model"].get("finetune") == "qlora"
-        model_spec["checkpoint_layers"] = None
+    # activation_checkpointing "auto" (QLoRA aside) is decided below, once the model's size and the data's
+    # longest batch are known; loading leaves it off (ModelConfig.checkpointing_at_load)
+    auto_checkpointing = spec.model.activation_checkpointing == "auto"
     with accelerator.main_process_first():  # the first load may build or download; the others then reuse it
-        model = load_reranker(ModelConfig(**model_spec), accelerator.device)
+        model = load_reranker(spec.model, accelerator.device)
     with accelerator.main_process_first():
         import datasets
 
-        records = datasets.Dataset.from_parquet(spec["data_path"], cache_dir=str(out_dir / "hf_cache"))
+        records = datasets.Dataset.from_parquet(spec.data_path, cache_dir=str(out_dir / "hf_cache"))
     collator = GroupCollator(
         model.processor,
         group_size=train["group_size"],
@@ -202,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     pairs_per_micro_batch = train["group_size"] * train["per_device_batch_size"]
     checkpoint_choice = None
-    if auto_checkpointing and spec["model"].get("finetune") != "qlora":
+    if auto_checkpointing and spec.model.finetune != "qlora":
         checkpoint_choice = resolve_activation_checkpointing(model, collator, records, train, pairs_per_micro_batch)
         from lychee_pipeline.reranker.families.qwen2_5_vl import apply_selective_checkpointing
 
@@ -259,10 +256,11 @@ def main(argv: list[str] | None = None) -> int:
 
     tracker = StageTracker(
         enabled=accelerator.is_main_process,
-        run_name=spec["stage"],
-        tags={"stage": spec["stage"], "devices": str(accelerator.num_processes), "device_type": accelerator.device.type},
+        run_name=spec.stage,
+        tags={"stage": spec.stage, "devices": str(accelerator.num_processes), "device_type": accelerator.device.type},
     )
-    tracker.log_params({"stage": spec["stage"], "devices": accelerator.num_processes, "model": spec["model"], "training": train})
+    tracker.log_params({"stage": spec.stage, "devices": accelerator.num_processes,
+                        "model": dataclasses.asdict(spec.model), "training": train})
 
     pairs_per_step = train["group_size"] * train["per_device_batch_size"] * train["gradient_accumulation_steps"]
     pairs_per_step *= accelerator.num_processes
@@ -302,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             if nonfinite_in_a_row >= train["max_nonfinite_steps"]:
                 newest = checkpoints.list_checkpoints(ckpt_root)
                 message = (
-                    f"stage {spec['stage']}: {nonfinite_in_a_row} non-finite steps in a row (steps "
+                    f"stage {spec.stage}: {nonfinite_in_a_row} non-finite steps in a row (steps "
                     f"{done - nonfinite_in_a_row + 1}-{done}); last finite checkpoint: "
                     f"{newest[0] if newest else 'none'}; resume with training.resume=true and a lower "
                     "training.learning_rate"
@@ -425,47 +423,44 @@ def main(argv: list[str] | None = None) -> int:
         # sha256 of every adapter file: a re-run reuses this stage only while they still match.
         checkpoints.write_folder_manifest(adapter_dir, out_dir / ADAPTER_MANIFEST)
         wall = time.perf_counter() - started
-        result = {
-            "stage": spec["stage"],
-            "devices": accelerator.num_processes,
-            "device_type": accelerator.device.type,
-            "steps": step,
-            "train_pairs": step * pairs_per_step,
-            "full_train_pairs": len(records) * train["group_size"],  # one epoch over the training split
-            "wall_time_s": wall,
-            "pairs_per_s": (steps_timed * pairs_per_step / train_time) if steps_timed else step * pairs_per_step / wall,
-            "peak_mem_gib": peak.tolist(),
-            "step_seconds": step_seconds,
-            "losses": losses,
-            "learning_rates": learning_rates,
-            "schedule": dataclasses.asdict(schedule),
-            "skipped_steps": skipped_steps,
-            "final_loss": losses[-1][1] if losses else float("nan"),
-            "replica_max_diff": replica_diff,
-            "truncation": truncation,
-            "processing": trained_with.as_dict(),
-            "negative_fill": collator.fill_stats.as_dict(),  # rank 0's groups (filled_slots: random negatives)
-            "dataloader": loader_kwargs,
-            "timing": step_timing,  # training.step_timing: data wait, host issue, device span/gaps per step
-            "activation_checkpointing": (dataclasses.asdict(checkpoint_choice) if checkpoint_choice is not None
-                                         else spec["model"].get("activation_checkpointing")),
-            "adapter_dir": str(adapter_dir),
-            "adapter_manifest": str(out_dir / ADAPTER_MANIFEST),
-            "spec_hash": spec.get("spec_hash"),
-            "mlflow_run_id": tracker.run_id,
-            "tracking_failures": tracker.failures,
-        }
-        if trace_records:
-            result["records_seen"] = traced
-        tracker.log_metrics({"final_loss": result["final_loss"], "stage_pairs_per_s": result["pairs_per_s"],
+        result = StageResult(
+            stage=spec.stage,
+            devices=accelerator.num_processes,
+            device_type=accelerator.device.type,
+            steps=step,
+            train_pairs=step * pairs_per_step,
+            full_train_pairs=len(records) * train["group_size"],  # one epoch over the training split
+            wall_time_s=wall,
+            pairs_per_s=(steps_timed * pairs_per_step / train_time) if steps_timed else step * pairs_per_step / wall,
+            peak_mem_gib=peak.tolist(),
+            step_seconds=step_seconds,
+            losses=losses,
+            learning_rates=learning_rates,
+            schedule=dataclasses.asdict(schedule),
+            skipped_steps=skipped_steps,
+            final_loss=losses[-1][1] if losses else float("nan"),
+            replica_max_diff=replica_diff,
+            truncation=truncation,
+            processing=trained_with,
+            negative_fill=collator.fill_stats.as_dict(),  # rank 0's groups (filled_slots: random negatives)
+            dataloader=loader_kwargs,
+            timing=step_timing,  # training.step_timing: data wait, host issue, device span/gaps per step
+            activation_checkpointing=(dataclasses.asdict(checkpoint_choice) if checkpoint_choice is not None
+                                      else spec.model.activation_checkpointing),
+            adapter_dir=str(adapter_dir),
+            adapter_manifest=str(out_dir / ADAPTER_MANIFEST),
+            spec_hash=spec.spec_hash,
+            mlflow_run_id=tracker.run_id,
+            tracking_failures=tracker.failures,
+            records_seen=traced if trace_records else None,
+        )
+        tracker.log_metrics({"final_loss": result.final_loss, "stage_pairs_per_s": result.pairs_per_s,
                              "replica_max_diff": replica_diff, "wall_time_s": wall})
         tracker.log_artifacts(str(adapter_dir), "adapter")
         tracker.end()
-        tmp = out_dir / "result.json.tmp"
-        tmp.write_text(json.dumps(result, indent=1))
-        os.replace(tmp, out_dir / "result.json")
-        log.info("stage %s done: %d steps, %.1f pairs/s, final loss %.4f", spec["stage"], step, result["pairs_per_s"],
-                 result["final_loss"])
+        result.write(out_dir / RESULT_FILE)
+        log.info("stage %s done: %d steps, %.1f pairs/s, final loss %.4f", spec.stage, step, result.pairs_per_s,
+                 result.final_loss)
         log.info("step time (steps %s-%s): %s", step_timing.get("first_step"), step_timing.get("last_step"),
                  ", ".join(f"{k} {v:.3g}" for k, v in step_timing.items() if isinstance(v, float)))
     accelerator.wait_for_everyone()  # ranks leave together: a rank that exits early can hang in gloo teardown

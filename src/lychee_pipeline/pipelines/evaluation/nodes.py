@@ -31,6 +31,7 @@ from lychee_pipeline.evaluation.score_cache import (
     pairs_hash,
     processing_settings,
 )
+from lychee_pipeline.evaluation.business import DEFAULT_KS
 from lychee_pipeline.evaluation.scoring_report import add_scoring, scoring_mlflow_metrics
 from lychee_pipeline.evaluation.score_shards import read_scores, score_pairs_in_slices, write_pairs
 from lychee_pipeline.reranker.prompt import instruction_for
@@ -195,9 +196,11 @@ def stage_processing(adapter: str | None, training: Mapping[str, Any] | None) ->
     if adapter:
         spec_path = Path(adapter).parent / "spec.json"
         if spec_path.is_file():
+            from lychee_pipeline.training.stage import StageSpec
+
             try:
-                source = json.loads(spec_path.read_text()).get("training") or source
-            except ValueError:
+                source = StageSpec.read(spec_path).training.model_dump()
+            except ValueError:  # unreadable, or a spec from before the typed contract: the training parameters
                 pass
     return {k: source[k] for k in ("max_length", "min_pixels", "max_pixels") if source.get(k) is not None}
 
@@ -371,7 +374,7 @@ def compute_business_metrics(scores: pd.DataFrame, evaluation: Mapping[str, Any]
     return _jsonable(compare_business(
         ranked,
         base=BASE,
-        ks=[int(k) for k in cfg.get("ks", [10])],
+        ks=[int(k) for k in cfg.get("ks", DEFAULT_KS)],
         examination=cfg.get("examination", "log2"),
         tail_fraction=float(cfg.get("tail_fraction", 0.8)),
     ))
