@@ -397,16 +397,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-score-check", action="store_true",
                         help="skip comparing each project variant's eval scores with the plain padded step's")
     parser.add_argument("--max-peak-gib", type=float, default=40.0)
-    parser.add_argument("--sdpa-backends", default="default",
-                        help="default, or a comma-separated subset of flash,efficient,cudnn,math that SDPA may use "
-                             "(e.g. flash,efficient: no cuDNN attention, which plans each new shape)")
+    parser.add_argument("--sdpa-backends", default="project",
+                        help="project (what load_reranker sets: no cuDNN attention, which plans each new shape), or "
+                             "a comma-separated subset of flash,efficient,cudnn,math that SDPA may use (all four: "
+                             "PyTorch's default)")
     common.add_run_args(parser, seed=1234)
     args = parser.parse_args(argv)
     device, dtype = common.pick_device(parser, args)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
-    if args.sdpa_backends != "default":
+    if args.sdpa_backends == "project":
+        fused_kernels.avoid_cudnn_attention(device)
+    else:
         allowed = set(args.sdpa_backends.split(","))
         torch.backends.cuda.enable_flash_sdp("flash" in allowed)
         torch.backends.cuda.enable_mem_efficient_sdp("efficient" in allowed)

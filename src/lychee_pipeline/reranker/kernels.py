@@ -94,9 +94,25 @@ def compile_decoder_layers(model: nn.Module) -> int:
     return len(layers)
 
 
+def avoid_cudnn_attention(device: torch.device | str) -> bool:
+    """Keep SDPA off cuDNN attention on CUDA (process-wide; flash and memory-efficient kernels remain).
+
+    cuDNN attention builds an execution plan for every new sequence shape. Training and scoring batches change
+    shape at nearly every step (length-sorted, packed or padded to the longest pair), so it planned on the host
+    again and again: on one H200 a packed 7B step ran at 4.4 pairs/s with it and 11.7 without, a padded one at
+    9.0 vs 9.8, and a real packed stage at 0.34 of the isolated step (docs/benchmarks.md, 2026-12-03).
+    Returns whether it changed anything."""
+    if torch.device(device).type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
+        return False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    log.info("SDPA: cuDNN attention off (it plans each new shape; flash / memory-efficient kernels used)")
+    return True
+
+
 def apply_kernels(model: nn.Module, choice: str, device: torch.device | str) -> str:
     """Resolve ``model.kernels`` for ``device`` and apply it; logs the outcome once. Returns ``"liger"``/``"none"``."""
     kind = resolve_kernels(choice, device)
+    avoid_cudnn_attention(device)
     if kind == "liger":
         from importlib.metadata import version
 
