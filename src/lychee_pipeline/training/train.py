@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                 state = {"step": step, "losses": losses, "learning_rates": learning_rates,
                          "skipped_steps": skipped_steps}
                 save_checkpoint(accelerator, ckpt_root, step, state, train["keep_last"])
-            beat(step, "step")
+            beat(step, "step", total=total_steps)  # also the launcher's progress bar (training/progress.py)
             fault_point(f"after_step_{step}")
             if step >= total_steps:
                 break
