@@ -178,7 +178,9 @@ class StageProgress:
     def _line(self, progress: TaskProgress, now: float) -> None:
         progress.last_line_done, progress.last_line_at = progress.done, now
         total = progress.total or 0
-        parts = [f"{progress.label}: {progress.unit} {progress.done}/{total} ({100 * progress.done / max(1, total):.0f}%)"]
+        count = (f"{progress.unit} {progress.done}/{total}" if progress.unit == "step"  # step 3/6, 512/2128 pairs
+                 else f"{progress.done}/{total} {progress.unit}s")
+        parts = [f"{progress.label}: {count} ({100 * progress.done / max(1, total):.0f}%)"]
         rate = progress.rate(now)
         if rate is not None:
             parts.append(self._rate_text(progress, now))
