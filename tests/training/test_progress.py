@@ -127,3 +127,29 @@ def test_scoring_shards_add_up_and_training_ranks_wait_for_the_slowest(tmp_path)
     rank0(7, "step", total=20)
     rank1(6, "step", total=20)
     assert summarize(read_heartbeats(training)) == {None: (6, 20, "step")}
+
+
+def test_a_scoring_launch_shows_each_model_to_the_end(tmp_path, caplog):
+    """The last slices of a model may come and go between two looks: a model that the next one followed, and
+    every model once the ranks are past the final barrier, is shown complete (real heartbeat files)."""
+    import logging
+
+    from lychee_pipeline.training.progress import StageProgress
+
+    caplog.set_level(logging.INFO, logger="lychee_pipeline.training.progress")
+    shown = StageProgress("scoring", terminal=False)
+    ranks = [Heartbeat(tmp_path, rank, unit="pair", sharded=True) for rank in (0, 1)]
+    for rank in ranks:
+        rank(0, "step", total=21, task="base")
+    ranks[0](5, "step")
+    shown.update(read_heartbeats(tmp_path))
+    ranks[0](0, "step", total=21, task="stage_1cpu_final")  # rank 0 is on the next model, rank 1 not yet seen
+    shown.update(read_heartbeats(tmp_path))
+    for rank in ranks:
+        rank(0, "leaving")
+    shown.update(read_heartbeats(tmp_path))
+    shown.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "lychee_pipeline.training.progress"]
+    assert "scoring base: 21/21 pairs (100%)" in "\n".join(lines), lines
+    assert "scoring stage_1cpu_final: 21/21 pairs (100%)" in lines[-1], lines
+    assert len(lines) <= 5, lines

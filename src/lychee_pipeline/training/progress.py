@@ -26,6 +26,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 DEFAULT_EVERY_PERCENT = 10.0
+PAST_THE_WORK = ("leaving", "done")  # heartbeat phases after the final barrier
 DEFAULT_EVERY_S = 30.0
 
 
@@ -110,16 +111,25 @@ class StageProgress:
         if not self.enabled or self.closed:
             return
         now = time.monotonic()
-        for task, (done, total, unit) in summarize(beats).items():
-            progress = self.tasks.get(task)
-            if progress is None:
-                progress = self.tasks[task] = TaskProgress(self._label(task), unit, total, done, done, now)
+        summary = summarize(beats)
+        for task, (done, total, unit) in summary.items():
+            if task not in self.tasks:
+                self.tasks[task] = TaskProgress(self._label(task), unit, total, done, done, now)
             # never backwards: a scoring rank's last records (past its work) say step 0
-            progress.done, progress.total = max(progress.done, done), total
-            if self.terminal:
-                self._draw(progress)
-            else:
-                self._maybe_line(progress, now)
+            self.tasks[task].done, self.tasks[task].total = max(self.tasks[task].done, done), total
+        # The ranks take their tasks one after another, between barriers: a task that a newer one followed is
+        # complete, and so is every task once all ranks are past the final barrier (their last slices may
+        # have come and gone between two looks).
+        past_barrier = bool(beats) and all(r.get("phase") in PAST_THE_WORK for r in beats.values())
+        newest = list(self.tasks)[-1] if self.tasks else None
+        for task, progress in self.tasks.items():
+            if progress.total is not None and (past_barrier or task != newest):
+                progress.done = progress.total
+            if task in summary or progress.done == progress.total:
+                if self.terminal:
+                    self._draw(progress)
+                else:
+                    self._maybe_line(progress, now)
 
     def close(self) -> None:
         """Stop the bars (a finished bar stays on screen); the plain lines say where each task ended."""
