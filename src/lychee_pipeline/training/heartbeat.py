@@ -34,7 +34,7 @@ STACK_HEADER = "(most recent call first):"
 
 
 class Heartbeat:
-    """`beat(step, phase)` from a rank; never raises (a full disk must not stop training)."""
+    """`beat(step, phase[, total, task])` from a rank; never raises (a full disk must not stop training)."""
 
     def __init__(self, stage_dir: str | Path, rank: int, distributed_type: str = "", unit: str = "step",
                  sharded: bool = False):
