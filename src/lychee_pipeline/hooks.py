@@ -53,6 +53,32 @@ class ProjectRootHooks:
                      left, root)
 
 
+class MlflowTypeHintNotice(logging.Filter):
+    """Drops MLflow's "Add type hints to the `predict` method" notice from the log (Kedro logs warnings).
+
+    MLflow prints it when a `PythonModel` subclass is defined without type hints on `predict`: kedro-mlflow's
+    `KedroPipelineModel`, imported by the `kedro` command line with kedro-mlflow's commands, before any project
+    code runs (the project's own model has them: `mlflow_model.RerankerModel`). MLflow raises the notice inside
+    its own `catch_warnings()` with a `once` filter, which overrides any `ignore` filter, so only the log can
+    drop it.
+    """
+
+    MESSAGE = "Add type hints to the `predict` method"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.MESSAGE not in record.getMessage()
+
+
+def quiet_kedro_startup() -> None:
+    """Run by `kedro` as it starts, before it imports its plugins (entry point `kedro.init` in pyproject.toml)."""
+    from lychee_pipeline import quiet_library_warnings
+
+    quiet_library_warnings()
+    warnings_log = logging.getLogger("py.warnings")  # where Kedro's log handler sends warnings
+    if not any(isinstance(f, MlflowTypeHintNotice) for f in warnings_log.filters):
+        warnings_log.addFilter(MlflowTypeHintNotice())
+
+
 def _reload_project_logging(root: Path) -> None:
     """Kedro read `conf/logging.yml` relative to the folder it started in; read the project's own now."""
     config = root / "conf" / "logging.yml"

@@ -133,10 +133,10 @@ def run_job(job: Mapping[str, Any], state: Any, beat: Callable[[int, str], None]
     mine = shard(len(pairs), state.process_index, state.num_processes)
     reranker = _load(job, str(state.device))
     loaded = time.perf_counter()
-    beat(0, "step")  # loaded: from here on the watchdog's limit is watchdog_s between slices
-    scores = score_pairs_in_slices(reranker, [pairs[i] for i in mine],
-                                   f"rank {state.process_index}: {job['name']}" if state.is_main_process else None,
-                                   on_slice=lambda done: beat(done, "step"))
+    # loaded: from here on the watchdog's limit is watchdog_s between slices. The launcher shows the progress of
+    # all shards together (training/progress.py), so the ranks print none of their own.
+    beat(0, "step", total=len(pairs), task=job["name"])
+    scores = score_pairs_in_slices(reranker, [pairs[i] for i in mine], on_slice=lambda done: beat(done, "step"))
     scored = time.perf_counter()
     log.info("%s: shard of %d/%d pairs scored in %.2f s", job["name"], len(mine), len(pairs), scored - loaded)
     del reranker
@@ -181,7 +181,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     import torch
 
     torch.manual_seed(0)
-    beat = Heartbeat(spec["output_dir"], state.process_index, str(state.distributed_type))  # the launcher's watchdog
+    beat = Heartbeat(spec["output_dir"], state.process_index, str(state.distributed_type),  # the launcher's watchdog
+                     unit="pair", sharded=True)
     beat(0, "started")
     results = [run_job(job, state, beat) for job in spec["jobs"]]
     if state.is_main_process:

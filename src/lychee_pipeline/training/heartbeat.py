@@ -10,6 +10,11 @@ process group is destroyed, just before the process returns). The launcher (`lau
 - no local rank past the rendezvous within `training.launch.rendezvous_timeout_s` stops the stage, naming the
   machine ranks that did not arrive (multi-node).
 
+The launcher's progress display (`progress.StageProgress`) reads them too: once a rank gives `total`, every
+record carries it, with `unit` (what `step` counts: optimizer steps, scored pairs), `task` (a label within the
+stage: the model a scoring launch scores) and `sharded` (true when each rank does its own share of `total`, as
+the scoring shards do; false when every rank takes every step, as in data-parallel training).
+
 Kept free of torch so the launcher imports it cheaply.
 """
 
@@ -29,12 +34,16 @@ STACK_HEADER = "(most recent call first):"
 
 
 class Heartbeat:
-    """`beat(step, phase)` from a rank; never raises (a full disk must not stop training)."""
+    """`beat(step, phase[, total, task])` from a rank; never raises (a full disk must not stop training)."""
 
-    def __init__(self, stage_dir: str | Path, rank: int, distributed_type: str = ""):
+    def __init__(self, stage_dir: str | Path, rank: int, distributed_type: str = "", unit: str = "step",
+                 sharded: bool = False):
         self.distributed_type = distributed_type  # what Accelerate really set up (DistributedType.FSDP, MULTI_CPU ...)
         self.path = Path(stage_dir) / DIR_NAME / f"rank{rank}.json"
         self.rank = rank
+        self.unit, self.sharded = unit, sharded
+        self.total: int | None = None  # given once (the first step's beat); repeated in every later record
+        self.task: str | None = None
         self.started = time.time()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -46,9 +55,14 @@ class Heartbeat:
         except (AttributeError, ValueError, OSError):
             pass
 
-    def __call__(self, step: int, phase: str) -> None:
+    def __call__(self, step: int, phase: str, total: int | None = None, task: str | None = None) -> None:
+        if total is not None:
+            self.total = int(total)
+        if task is not None:
+            self.task = task
         record = {"rank": self.rank, "pid": os.getpid(), "host": os.uname().nodename, "step": step, "phase": phase,
-                  "time": time.time(), "distributed_type": self.distributed_type, "machine_rank": int(os.environ.get("GROUP_RANK", "0") or 0)}
+                  "time": time.time(), "distributed_type": self.distributed_type, "machine_rank": int(os.environ.get("GROUP_RANK", "0") or 0),
+                  "total": self.total, "unit": self.unit, "task": self.task, "sharded": self.sharded}
         tmp = self.path.with_suffix(f".tmp{os.getpid()}")
         try:
             tmp.write_text(json.dumps(record))

@@ -2,7 +2,9 @@
 
 Stage spec -> generated Accelerate config -> subprocess (its output streamed to our log and to
 `<stage>/launch.log`) -> `<stage>/result.json`. A failed or hung child raises `StageFailed` naming the
-log files and quoting each rank's last lines.
+log files and quoting each rank's last lines. While it runs, the ranks' heartbeats feed one progress bar per
+stage on a terminal, or a few plain progress lines in a log file (training/progress.py); the ranks' own line
+per training step stays in `launch.log`.
 
 Stopping: the launcher and its ranks run in their own session (process group), so a terminal's Ctrl-C does not
 reach them. On KeyboardInterrupt, SIGTERM (turned into `StageInterrupted`) or any other exception while they
@@ -32,12 +34,16 @@ from typing import Any
 import yaml
 
 from lychee_pipeline.training import heartbeat
+from lychee_pipeline.training.progress import StageProgress
 
 log = logging.getLogger(__name__)
 
 RANK_PREFIX = re.compile(r"^\[default(\d+)\]:|^\[rank (\d+)\]")  # torchrun's --tee prefix, or our log format
 # Library warnings would push a rank's real last words out of the few lines a failure quotes.
 NOISE = re.compile(r"(Warning: |^\s*warnings\.warn\()")
+# train.py's line per logging step: kept in the stage's launch.log (and MLflow), relayed to our log at DEBUG
+# only: the progress display (training/progress.py) stands for them, with the last loss read from them.
+STEP_LINE = re.compile(r"\bstep \d+/\d+ loss (?P<loss>\S+)")
 
 
 STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL grace period for a stage's process group
@@ -424,6 +430,7 @@ def _run_stage(
     last_lines: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=8))
     stacks: dict[str, list[str]] = {}  # rank -> innermost frames of a stack it printed (SIGUSR1, faulthandler)
     in_stack: set[str] = set()
+    progress = StageProgress(spec["stage"])
     with open(log_path, "w", encoding="utf-8") as log_file:
         process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
@@ -450,8 +457,12 @@ def _run_stage(
                         in_stack.discard(who)
                 if not NOISE.search(text) and who not in in_stack and heartbeat.STACK_HEADER not in text:
                     last_lines[who].append(line)
+                step_line = STEP_LINE.search(text)
+                if step_line:
+                    with contextlib.suppress(ValueError):
+                        progress.note_loss(float(step_line["loss"]))
                 if line:
-                    log.info("%s", line, extra={"markup": False})  # child output is not rich markup
+                    (log.debug if step_line else log.info)("%s", line, extra={"markup": False})  # not rich markup
 
         reader = threading.Thread(target=pump, daemon=True)
         safety_net = lambda: stop_process_group(process, grace_s=2.0) if process.poll() is None else None  # noqa: E731
@@ -471,7 +482,9 @@ def _run_stage(
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + 1.0
                     stopped = watchdog.check()
+                    progress.update(watchdog.beats)
                     if stopped:
+                        progress.close()
                         log.error("stage %s: %s", spec["stage"], stopped[1])
                         if stopped[0] in ("silent", "hung"):  # where each alive rank is, before it is stopped
                             if watchdog.ask_for_stacks():
@@ -482,6 +495,7 @@ def _run_stage(
                 time.sleep(0.2)
             process.wait()
         except BaseException as exc:  # Ctrl-C, SIGTERM, anything: nothing of the stage may outlive us
+            progress.close()
             interrupted = isinstance(exc, KeyboardInterrupt)
             log.warning("stage %s: %s; stopping the launcher and its ranks (process group %d)", spec["stage"],
                         str(exc) or type(exc).__name__ if interrupted else f"{type(exc).__name__}: {exc}", process.pid)
@@ -495,6 +509,8 @@ def _run_stage(
         finally:
             atexit.unregister(safety_net)
         reader.join(timeout=10)
+        progress.update(heartbeat.read_heartbeats(stage_dir))  # the last steps, done since the last look
+        progress.close()
 
     result_path = stage_dir / "result.json"
     if stopped and stopped[0] == "teardown" and result_path.is_file():

@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                          "skipped_steps": skipped_steps}
                 save_checkpoint(accelerator, ckpt_root, step, state, train["keep_last"])
             beat_started = time.perf_counter()
-            beat(step, "step")
+            beat(step, "step", total=total_steps)  # also the launcher's progress bar (training/progress.py)
             timing.add_heartbeat(time.perf_counter() - beat_started)
             fault_point(f"after_step_{step}")
             if step >= total_steps:
