@@ -82,8 +82,8 @@ class ModelConfig:
     freeze_vision: bool = True
     tiny_cache_dir: str | None = None
     fast_path: bool = True
-    pack_pairs: bool = False  # one packed sequence per micro-batch, no padding tokens (reranker/packing.py)
-    kernels: Literal["auto", "liger", "none"] = "none"  # fused kernels at load: auto = liger on CUDA where installed
+    pack_pairs: bool = True  # one packed sequence per micro-batch, no padding tokens (reranker/packing.py)
+    kernels: Literal["auto", "liger", "none"] = "auto"  # fused kernels at load: auto = liger on CUDA where installed
     compile_layers: bool = False  # torch.compile each decoder layer (reranker/kernels.py)
 
     # read by pydantic where the pipeline validates its `model:` parameters (no pydantic import needed here)
