@@ -343,8 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", default="auto", help="training.dataloader.num_workers of the stage")
     parser.add_argument("--checkpoint-layers", default="auto", help="auto (the memory budget picks) or a count")
     parser.add_argument("--memory-budget-gib", type=float, default=40.0)
-    parser.add_argument("--pack-pairs", action="store_true", help="model.pack_pairs: pairs packed without padding")
-    parser.add_argument("--kernels", choices=("auto", "liger", "none"), default="none", help="model.kernels")
+    parser.add_argument("--pack-pairs", action=argparse.BooleanOptionalAction, default=True,
+                        help="model.pack_pairs (the project's default: on): pairs packed without padding")
+    parser.add_argument("--kernels", choices=("auto", "liger", "none"), default="auto",
+                        help="model.kernels (the project's default: auto)")
     parser.add_argument("--compile-layers", action="store_true", help="model.compile_layers: torch.compile the layers")
     parser.add_argument("--max-pixels", type=int, default=None, help="default 448*448 (tiny 112*112)")
     parser.add_argument("--min-pixels", type=int, default=3136)
