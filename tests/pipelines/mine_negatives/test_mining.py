@@ -270,11 +270,12 @@ def test_rerun_takes_every_score_from_the_cache(mined):
 
 
 def test_training_reads_the_mined_table(mined, tmp_path):
-    from lychee_pipeline.pipelines.training.nodes import export_training_table
+    from lychee_pipeline.pipelines.training.nodes import export_training_table, plan_training
 
     table = mined["result"].table
     full = table.filter(pa.compute.greater_equal(pa.compute.list_value_length(table.column("negatives")), 6))
-    path = export_training_table(full, {"training": {"group_size": 7}, "run_dir": str(tmp_path)})
+    plan = plan_training({}, {"group_size": 7}, {}, 1, "cpu", {"name": "mined", "output_root": str(tmp_path)})
+    path = export_training_table(full, plan)
     assert pa.parquet.read_table(path).schema.equals(MODEL_INPUT_SCHEMA)
     rows = [r for r in full.to_pylist() if len(_added(r, "mined")) == 3 and len(r["negatives"]) == 6]
     assert rows
