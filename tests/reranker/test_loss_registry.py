@@ -37,7 +37,7 @@ def test_a_registered_loss_trains_the_tiny_model_by_its_name(make_model, margin_
     compute_loss = get_loss(params.loss)  # train.py's selection, from the validated parameters
     assert compute_loss is margin_loss
     torch.manual_seed(0)
-    model = make_model(finetune="lora", lora_dropout=0.0)
+    model = make_model(finetune="lora", lora={"dropout": 0.0})
     collator = GroupCollator(model.processor, group_size=params.group_size, max_length=128, seed=0)
     rows = [
         {"record_id": f"r{i}", "query": {"text": f"{c} shoes", "image": None},

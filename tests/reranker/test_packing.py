@@ -42,13 +42,13 @@ def _rows(tmp_path, n_groups=2, group_size=4, images=True):
 def _pair_of_models(make_model, **overrides):
     """The padded reference and a packed model with the same weights (LoRA B non-zero: every LoRA matrix
     then gets a gradient)."""
-    padded = make_model(lora_dropout=0.0, **overrides)
+    padded = make_model(lora={"dropout": 0.0}, pack_pairs=False, **overrides)
     with torch.no_grad():
         gen = torch.Generator().manual_seed(5)
         for name, p in padded.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    packed = make_model(lora_dropout=0.0, pack_pairs=True, **overrides)
+    packed = make_model(lora={"dropout": 0.0}, pack_pairs=True, **overrides)
     packed.load_state_dict(padded.state_dict())
     return padded, packed
 
@@ -161,7 +161,7 @@ def test_scoring_with_packing_equals_padded(make_model, tmp_path):
 
 
 def test_packed_attention_needs_sdpa(make_model):
-    model = make_model(attn_implementation="eager")
+    model = make_model(attn_implementation="eager", pack_pairs=False)
     with pytest.raises(ValueError, match="needs attn_implementation 'sdpa'"):
         packing.enable_packed_attention(model)
     with pytest.raises(RuntimeError, match="not switched to packed attention"):

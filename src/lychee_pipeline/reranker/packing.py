@@ -140,7 +140,8 @@ def enable_packed_attention(model: nn.Module) -> int:
     for config in configs:
         current = config._attn_implementation
         if current not in ("sdpa", PACKED_ATTENTION):
-            raise ValueError(f"packing pairs needs attn_implementation 'sdpa' for the language model, got {current!r}")
+            raise ValueError(f"packing pairs needs attn_implementation 'sdpa' for the language model, got {current!r} "
+                             "(set model.attn_implementation: sdpa, or model.pack_pairs: false)")
         config._attn_implementation = PACKED_ATTENTION
     return len(configs)
 

@@ -107,6 +107,16 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
+def _zombie(pid: int) -> bool:
+    """Exited but not yet reaped (Linux). A rank's parent, the torchrun agent, reaps its workers only at its next
+    look: without this, a rank that left early and the peer that failed right after it look as if they left
+    together, and the failure cannot say which one went first."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _pid_alive(pid: int, start: str | None = None) -> bool:
     try:
         os.kill(pid, 0)
@@ -114,6 +124,8 @@ def _pid_alive(pid: int, start: str | None = None) -> bool:
         return False
     except PermissionError:
         pass  # alive, another user's
+    if _zombie(pid):
+        return False
     return start is None or _start_time(pid) in (None, start)
 
 
