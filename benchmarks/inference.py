@@ -51,7 +51,9 @@ import common  # noqa: E402
 from lychee_pipeline.reranker.families import qwen2_5_vl  # noqa: E402
 from lychee_pipeline.reranker.collate import PairCollator  # noqa: E402
 from lychee_pipeline.reranker.inference import Reranker  # noqa: E402
+from lychee_pipeline.reranker.kernels import apply_kernels  # noqa: E402
 from lychee_pipeline.reranker.model import LycheeReranker, ModelConfig, single_token_id  # noqa: E402
+from lychee_pipeline.reranker.packing import enable_packed_attention  # noqa: E402
 from lychee_pipeline.reranker.tiny import ensure_tiny  # noqa: E402
 
 WORDS, log = common.WORDS, common.log
@@ -104,7 +106,7 @@ def build(tiny: bool, device: torch.device, dtype: torch.dtype, tiny_dir: str) -
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    cfg = ModelConfig(name_or_path="random:qwen2.5-vl-7b", finetune="frozen")
+    cfg = ModelConfig(name_or_path="random:qwen2.5-vl-7b", finetune="frozen", pack_pairs=True)  # packing is switched on after the naive loop
     reranker = LycheeReranker(model, processor, cfg, single_token_id(tok, "yes"), single_token_id(tok, "no"))
     reranker.eval()
     return reranker
@@ -304,6 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     ref, secs = timed(lambda: naive_scores(reranker, pairs), device)
     results["naive"] = {"pairs_per_s": len(pairs) / secs, "seconds": secs, "peak_gib": common.peak_gib(device),
                         "label": "batch 8 in input order, padded, full logits, stock vision"}
+
+    # the core as Reranker.from_pretrained sets a model up by default: fused kernels (model.kernels: auto, liger on
+    # CUDA where installed) and packed pairs (model.pack_pairs); the naive loop above ran the stock model
+    kernels = apply_kernels(reranker.base_model, "auto", device)
+    enable_packed_attention(reranker.base_model)
+    log(f"core set-up: fused kernels {kernels}, pairs packed (the library's defaults)")
 
     pipeline = {"prepare_workers": args.workers if args.workers == "auto" else int(args.workers),
                 "first_batch": args.first_batch if args.first_batch == "auto" else int(args.first_batch)}
