@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import queue
 import threading
 from collections import deque
@@ -61,8 +60,9 @@ class Reranker:
         self.chunk_size = int(batch_size) * max(int(chunk_batches), 1)
         # batches prepared ahead by the host thread (0: prepare each batch in the calling thread, no overlap)
         self.prefetch_batches = max(int(prefetch_batches), 0)
-        # host threads preparing batches (auto: several on a GPU machine, one on a CPU where the model needs the
-        # cores); each extra thread has its own copy of the processor (a tokenizer is not shared between threads)
+        # host threads preparing batches (auto: one). More threads contend for the GIL with the thread that
+        # launches the model's kernels: on one H200 (7B, 800x800 JPEGs) 4 threads gave 0.87 of the GPU-only rate
+        # and 2 gave 0.91, one 0.95 (docs/benchmarks.md, 2026-12-03). Each extra thread has its own processor copy
         self.prepare_workers = prepare_workers
         # pairs of a first, smaller batch, so the device starts before a full batch is ready (auto: a quarter
         # batch on a GPU; 0 on a CPU, where the host and the model share the cores and nothing would overlap)
@@ -122,15 +122,7 @@ class Reranker:
 
     # -- scoring ----------------------------------------------------------------------------------
     def _workers(self) -> int:
-        if self.prepare_workers != "auto":
-            return max(int(self.prepare_workers), 1)
-        if self.model.device.type != "cuda":
-            return 1
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except AttributeError:  # pragma: no cover - not Linux
-            cpus = os.cpu_count() or 1
-        return max(1, min(4, cpus - 2))  # one core for the scoring loop, one for the rest of the process
+        return 1 if self.prepare_workers == "auto" else max(int(self.prepare_workers), 1)
 
     def _first_batch(self) -> int:
         if self.first_batch == "auto":
