@@ -363,14 +363,16 @@ def _active_run_id() -> str | None:
     return run.info.run_id if run is not None else None
 
 
-PLAN_NODES = ("plan_training_stages", "plan_smoke_training")  # the nodes that validate the training parameters
+# the nodes that validate the training parameters, by their own name (`training.plan_training_stages` in the
+# registered pipelines, `plan_training_stages` in training.create_pipeline())
+PLAN_NODES = ("plan_training_stages", "plan_smoke_training")
 
 
 class ParameterCheckHooks:
     @hook_impl(tryfirst=True)  # before kedro-mlflow opens the parent run
     def before_pipeline_run(self, run_params, pipeline, catalog) -> None:
         for node in pipeline.nodes:
-            if node.name not in PLAN_NODES or not all(i.startswith("params:") for i in node.inputs):
+            if node.name.rsplit(".", 1)[-1] not in PLAN_NODES or not all(i.startswith("params:") for i in node.inputs):
                 continue
             # The planning node itself, on the same parameters: no files, no processes, no run. Quietly: the
             # node logs its plan when it runs.
