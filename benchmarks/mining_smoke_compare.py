@@ -70,7 +70,7 @@ def main() -> None:
         try:
             bootstrap_project(root)
             with KedroSession.create(project_path=root, runtime_params={"mining": mining}) as session:
-                session.run(pipeline_name="smoke", from_nodes=["mine_negatives", "plan_smoke_training"])
+                session.run(pipeline_name="smoke", from_nodes=["mining.mine_negatives", "training.plan_smoke_training"])
         finally:
             os.chdir(previous)
             while mlflow.active_run() is not None:

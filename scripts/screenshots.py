@@ -12,9 +12,10 @@ servers (by process group) before it returns, also on an error or Ctrl-C. Writes
 - `mlflow_training_runs.png`: the experiment in MLflow's "Model training" view, the parent run expanded to
   its nested stage runs;
 - `mlflow_stage_metrics.png`: the newest stage run's model metrics (loss, learning rate, pairs/s per step);
-- `kedro_viz_<pipeline>.png`: the pipeline (default `full`) in kedro-viz (`?pid=<pipeline>`, namespaced
-  groups collapsed with `expandAllPipelines=false`), fitted to the page; a page 1800 px tall when the DAG
-  would fit 900 px only below 25% zoom.
+- `kedro_viz_<pipeline>.png`: the pipeline (default `full`) in kedro-viz (`?pid=<pipeline>`), its top-level
+  groups collapsed (`expandAllPipelines=false`) and datasets hidden (`types=nodes`): the chain of groups,
+  fitted to the page; a page 1800 px tall when it would fit 900 px only below 25% zoom. The script prints
+  the zoom kedro-viz opens the pipeline at with its datasets (what `kedro viz` shows first) and this one.
 
 Each PNG is kept under 300 KB (quantized to a palette when larger); a blank page fails the script.
 """
@@ -297,10 +298,13 @@ READABLE_ZOOM = 25  # percent
 ZOOM = "(() => { const e = [...document.querySelectorAll('*')].find(x => x.children.length === 0 && /^\\d+%$/.test((x.innerText || '').trim())); return e ? parseInt(e.innerText) : null; })()"
 
 
-def kedro_viz_pipeline(browser: Browser, base: str, pipeline: str, out: Path) -> Path:
-    """The pipeline's DAG, namespaced groups collapsed (`expandAllPipelines=false`), in the light theme."""
-    browser.open(f"{base}/?pid={pipeline}&expandAllPipelines=false", 1)
+def fitted_zoom(browser: Browser, url: str) -> tuple[int | None, int | None]:
+    """Open kedro-viz at `url` in the light theme, its menu hidden and the DAG fitted to the page:
+    (the zoom it opened at, the zoom once fitted without the menu)."""
+    browser.open(url, 1)
     browser.wait_for("document.querySelectorAll('.pipeline-node').length > 5", what="the pipeline's nodes")
+    time.sleep(3)  # the first fit is animated
+    opened_at = browser.js(ZOOM)
     click(browser, "Change to light theme")
     click(browser, "Dismiss")  # the "new version" banner (the version check cannot reach PyPI offline)
     browser.js("document.querySelector('.feature-hints__close')?.click()")  # the feature tour of a first visit
@@ -308,12 +312,26 @@ def kedro_viz_pipeline(browser: Browser, base: str, pipeline: str, out: Path) ->
     time.sleep(2)
     click(browser, "Reset zoom")  # fit the DAG to the page now that the menu is gone
     time.sleep(3)  # the zoom is animated
-    zoom = browser.js(ZOOM)
-    if zoom is not None and zoom < READABLE_ZOOM:  # a long DAG (every group expanded): a taller page
+    return opened_at, browser.js(ZOOM)
+
+
+def kedro_viz_pipeline(browser: Browser, base: str, pipeline: str, out: Path) -> Path:
+    """The pipeline's top level: its namespaced groups collapsed (`expandAllPipelines=false`), datasets hidden
+    (`types=nodes`), so the picture is the chain of groups. Prints the zoom of the view `kedro viz` opens
+    (groups collapsed, datasets and layers shown) first."""
+    view = f"{base}/?pid={pipeline}&expandAllPipelines=false"
+    opened_at, fitted = fitted_zoom(browser, f"{view}&types=nodes,datasets")
+    print(f"kedro-viz: {pipeline} with its datasets opens at {opened_at}% zoom in a {WINDOW[0]}x{WINDOW[1]} page "
+          f"({fitted}% with the menu hidden)", flush=True)
+    _, zoom = fitted_zoom(browser, f"{view}&types=nodes")
+    print(f"kedro-viz: {pipeline}'s groups alone (types=nodes): {zoom}% zoom", flush=True)
+    if zoom is not None and zoom < READABLE_ZOOM:  # a long chain: a taller page
         browser.resize(WINDOW[0], KEDRO_VIZ_TALL)
         time.sleep(1)
         click(browser, "Reset zoom")
         time.sleep(3)
+        print(f"kedro-viz: below {READABLE_ZOOM}%: the screenshot is {KEDRO_VIZ_TALL} px tall, at "
+              f"{browser.js(ZOOM)}% zoom", flush=True)
     try:
         return browser.screenshot(out)
     finally:

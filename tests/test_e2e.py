@@ -138,7 +138,7 @@ def test_cli_refuses_more_gpus_than_visible(tmp_path):
     env = dict(os.environ, KEDRO_DISABLE_TELEMETRY="1", MLFLOW_DISABLE_TELEMETRY="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(
         [sys.executable, "-m", "kedro", "run", "--pipeline", "full", "--params", "device=cuda,gpus=4",
-         "--nodes", "plan_training_stages"],
+         "--nodes", "training.plan_training_stages"],
         cwd=root, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode != 0

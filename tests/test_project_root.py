@@ -153,22 +153,21 @@ def test_the_log_in_a_file_is_plain_short_and_free_of_library_notices(project_a)
     assert not [x for x in lines if "] step " in x and " loss " in x], "the ranks' step lines relayed to the log"
 
 
-def test_step_lines_are_throttled_per_rank():
+def test_the_runner_says_once_which_node_completed():
     import logging
 
-    from lychee_pipeline.hooks import StepProgressFilter
+    from lychee_pipeline.hooks import RunnerEchoFilter
 
-    def shown(rank: int, total: int, every_s: float = 3600.0) -> list[int]:
-        f, out = StepProgressFilter(every_s=every_s), []
-        for step in range(1, total + 1):
-            record = logging.LogRecord("x", logging.INFO, "", 0, "[default%d]:[rank %d] step %d/%d loss 0.5 lr 1e-3",
-                                       (rank, rank, step, total), None)
-            if f.filter(record):
-                out.append(step)
-        return out
-
-    assert shown(0, 300) == [1, 31, 61, 91, 121, 151, 181, 211, 241, 271, 300]
-    assert shown(1, 5) == [1, 2, 3, 4, 5]
-    assert shown(0, 300, every_s=0.0) == list(range(1, 301))  # the time bound lets more through when slow
-    other = logging.LogRecord("x", logging.INFO, "", 0, "stage stage_1cpu done", None, None)
-    assert StepProgressFilter().filter(other)
+    echo, shown = RunnerEchoFilter(), []
+    for msg, args in [("Using synchronous mode for loading and saving data. Use the --async flag ...", ()),
+                      ("Running node: %s", ("run_stage: run_stage_slot([...]) -> [...]",)),
+                      ("Completed node: %s", ("training.train_stage_1.run_stage",)),
+                      ("Completed %d out of %d tasks", (5, 39)),
+                      ("Completed %d out of %d tasks", (6, 39)),  # no node named before it: as it was
+                      ("Pipeline execution completed successfully in %.1f sec.", (1.0,))]:
+        record = logging.LogRecord("kedro.runner.sequential_runner", logging.INFO, "", 0, msg, args, None)
+        if echo.filter(record):
+            shown.append(record.getMessage())
+    assert shown == ["Running node: run_stage: run_stage_slot([...]) -> [...]",
+                     "Completed node: training.train_stage_1.run_stage (5 out of 39 tasks)",
+                     "Completed 6 out of 39 tasks", "Pipeline execution completed successfully in 1.0 sec."]

@@ -22,7 +22,6 @@ import re
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,7 @@ class ProjectRootHooks:
         if left is not None:
             _reload_project_logging(root)
         plain_console_log_when_not_a_terminal()
-        throttle_step_lines()
+        drop_runner_echoes()
         quiet_child_output()
         if left is not None:
             log.info("started in %s: working in the project root %s (every relative path is relative to it)",
@@ -103,10 +102,13 @@ CHILD_WARNING_FILTERS = ("ignore:`is_gradient_checkpointing` is deprecated:Futur
 
 
 def quiet_child_output() -> None:
-    """Stage processes (they inherit this environment) skip a known library warning; in a log file, no
-    weight-loading progress bars (a bar redrawn in a file is one long line per update)."""
+    """Stage processes (they inherit this environment) skip a known library warning; no MLflow progress bar
+    while it copies a few small local artifacts; in a log file, no weight-loading progress bars (a bar redrawn
+    in a file is one long line per update)."""
     current = [f for f in os.environ.get("PYTHONWARNINGS", "").split(",") if f]
     os.environ["PYTHONWARNINGS"] = ",".join(current + [f for f in CHILD_WARNING_FILTERS if f not in current])
+    # "Downloading artifacts: 100%|...| 9/9" when the logged model is built from local files; read per call
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     if _to_a_file():
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # "Generating train split" in the stages
@@ -134,48 +136,44 @@ def plain_console_log_when_not_a_terminal() -> None:
             root.addHandler(plain)
 
 
-class StepProgressFilter(logging.Filter):
-    """Lets through a relayed training-step line at most every `every_steps` steps or `every_s` seconds.
+class RunnerEchoFilter(logging.Filter):
+    """Two lines per node instead of three from Kedro's SequentialRunner, and no `--async` advice.
 
-    `training/launch.py` relays every line of the stage processes to the log (and keeps all of them in the
-    stage's `launch.log`); one line per step made `full` logs of ~900 lines. Per rank, the first and the
-    last step always show, and otherwise a step only once `every_steps` (a tenth of the stage by default)
-    or `every_s` seconds have passed since the rank's last shown step. Other lines pass untouched.
+    The runner logs "Completed node: X" and then "Completed 5 out of 39 tasks" for every node; here they become
+    one line, "Completed node: X (5 out of 39 tasks)", X with its namespace (`training.train_stage_1.run_stage`:
+    the name `--from-nodes` takes; the "Running node" line shows the node's short name only).
     """
 
-    STEP = re.compile(r"(\[rank (?P<rank>\d+)\].*?)?\bstep (?P<step>\d+)/(?P<total>\d+) loss ")
+    ECHO = "Using synchronous mode for loading and saving data"
+    DONE = "Completed node: "
+    TASKS = re.compile(r"^Completed (\d+ out of \d+ tasks)$")
 
-    def __init__(self, every_steps: int | None = None, every_s: float = 30.0) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.every_steps, self.every_s = every_steps, every_s
-        self._last: dict[str, tuple[int, float]] = {}
+        self._done: str | None = None  # the node the runner just said it completed
 
     def filter(self, record: logging.LogRecord) -> bool:
-        match = self.STEP.search(record.getMessage())
-        if match is None:
-            return True
-        step, total = int(match["step"]), int(match["total"])
-        rank = match["rank"] or "0"
-        now = time.monotonic()
-        every = self.every_steps or max(1, total // 10)
-        last_step, last_time = self._last.get(rank, (None, 0.0))
-        if last_step is not None and step < last_step:  # a new stage: start over
-            last_step = None
-        show = (last_step is None or step >= total or step - last_step >= every
-                or now - last_time >= self.every_s)
-        if show:
-            self._last[rank] = (step, now)
-        return show
+        message = record.getMessage()
+        if message.startswith(self.ECHO):
+            return False
+        if message.startswith(self.DONE):
+            self._done = message.removeprefix(self.DONE)
+            return False
+        tasks = self.TASKS.match(message)
+        if tasks and self._done is not None:
+            record.msg, record.args = "%s%s (%s)", (self.DONE, self._done, tasks[1])
+            self._done = None
+        return True
 
 
-STEP_FILTER = StepProgressFilter()
+RUNNER_ECHO_FILTER = RunnerEchoFilter()
 
 
-def throttle_step_lines() -> None:
-    """Install the step filter on the logger that relays the stage processes' output (once)."""
-    relay = logging.getLogger("lychee_pipeline.training.launch")
-    if STEP_FILTER not in relay.filters:
-        relay.addFilter(STEP_FILTER)
+def drop_runner_echoes() -> None:
+    """Install the echo filter on the logger of the runner `kedro run` uses (once)."""
+    runner_log = logging.getLogger("kedro.runner.sequential_runner")
+    if RUNNER_ECHO_FILTER not in runner_log.filters:
+        runner_log.addFilter(RUNNER_ECHO_FILTER)
 
 
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
@@ -363,14 +361,16 @@ def _active_run_id() -> str | None:
     return run.info.run_id if run is not None else None
 
 
-PLAN_NODES = ("plan_training_stages", "plan_smoke_training")  # the nodes that validate the training parameters
+# the nodes that validate the training parameters, by their own name (`training.plan_training_stages` in the
+# registered pipelines, `plan_training_stages` in training.create_pipeline())
+PLAN_NODES = ("plan_training_stages", "plan_smoke_training")
 
 
 class ParameterCheckHooks:
     @hook_impl(tryfirst=True)  # before kedro-mlflow opens the parent run
     def before_pipeline_run(self, run_params, pipeline, catalog) -> None:
         for node in pipeline.nodes:
-            if node.name not in PLAN_NODES or not all(i.startswith("params:") for i in node.inputs):
+            if node.name.rsplit(".", 1)[-1] not in PLAN_NODES or not all(i.startswith("params:") for i in node.inputs):
                 continue
             # The planning node itself, on the same parameters: no files, no processes, no run. Quietly: the
             # node logs its plan when it runs.

@@ -160,7 +160,7 @@ def test_ctrl_c_on_kedro_stops_the_whole_stage_and_resume_works(tmp_path, signum
     # intact checkpoint, two steps further; the finished check stage is reused.
     last = max(int(p.name.split("-")[1]) for p in (stage_dir / "checkpoints").glob("checkpoint-*"))
     rerun, out2 = _kedro(root, f"gpus=2,device=cpu,training.resume=true,training.max_steps={last + 2}",
-                         "kedro_2.log", "--to-nodes", "train_stage_final.gate_stage")
+                         "kedro_2.log", "--to-nodes", "training.train_stage_final.gate_stage")
     assert rerun.wait(timeout=240) == 0, out2.read_text()[-3000:]
     log_text = launch_log.read_text()
     assert f"resumed from {stage_dir.relative_to(root)}/checkpoints/checkpoint-{last} at step {last}" in log_text
@@ -212,7 +212,7 @@ def test_the_training_node_refuses_a_locked_folder_before_deleting_it(tmp_path, 
 def test_a_parameter_error_creates_no_mlflow_run(tmp_path):
     """Validated before kedro-mlflow opens its parent run (ParameterCheckHooks): one line, no empty FAILED run."""
     root = make_project_copy(tmp_path / "project")
-    proc, out = _kedro(root, "device=cpu,training.learning_rate=-1", "kedro.log", "--nodes", "plan_training_stages")
+    proc, out = _kedro(root, "device=cpu,training.learning_rate=-1", "kedro.log", "--nodes", "training.plan_training_stages")
     assert proc.wait(timeout=240) != 0
     text = out.read_text()
     flat = " ".join(text.split())  # rich wraps the console's lines

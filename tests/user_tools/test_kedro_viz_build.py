@@ -49,8 +49,9 @@ def test_viz_build_exports_every_pipeline_node_layer_and_stage_tag(project_copy)
         assert set(tasks) == {n.name for n in pipeline.nodes}, pid
         for n in pipeline.nodes:
             assert set(tasks[n.name]["tags"]) == set(n.tags), n.name
-            # a namespaced node (a training stage) is `<namespace>.<name>`: each part says what it is
-            assert all(SNAKE.match(part) for part in n.name.split(".")), f"node name {n.name!r} does not say what it does"
+            # a namespaced node is `<group>[.<stage>].<name>`: its own name says what it does
+            assert SNAKE.match(n.name.split(".")[-1]), f"node name {n.name!r} does not say what it does"
+            assert all(re.fullmatch(r"[a-z][a-z0-9_]*", part) for part in n.name.split(".")[:-1]), n.name
 
         # every dataset (not params) has a layer, and the layers are ordered raw -> ... -> reporting
         free = {d for d in pipeline.datasets() if not d.startswith("params:") and d != "parameters"}
@@ -60,7 +61,7 @@ def test_viz_build_exports_every_pipeline_node_layer_and_stage_tag(project_copy)
         assert exported["layers"] == LAYERS, f"{pid}: layers {exported['layers']} (a cycle empties the list)"
 
         # the training stages are tagged, so kedro-viz can filter on them
-        stage_nodes = [n for n in pipeline.nodes if n.name.startswith("train_")]
+        stage_nodes = [n for n in pipeline.nodes if ".train_stage_" in f".{n.namespace}"]
         assert stage_nodes, pid
         for n in stage_nodes:
             assert "training" in n.tags and any(t.startswith("stage_") for t in n.tags), n.name
@@ -68,9 +69,10 @@ def test_viz_build_exports_every_pipeline_node_layer_and_stage_tag(project_copy)
             stage_tags = {t for n in stage_nodes for t in n.tags if t.startswith("stage_")}
             # one slot per rung of the ladder (1, 2, 4, ... 128 devices), then the final stage
             assert stage_tags == {f"stage_{2 ** k}" for k in range(8)} | {"stage_final"}
-            # each stage is one namespace (a collapsible group in kedro-viz) holding its run and its gate
+            # each stage is one namespace (a collapsible group in kedro-viz, inside `training`) holding its run
+            # and its gate
             groups = {n["name"] for n in exported["nodes"] if n["type"] == "modularPipeline"}
-            assert {f"train_stage_{2 ** k}" for k in range(8)} | {"train_stage_final"} <= groups, groups
+            assert {f"training.train_stage_{2 ** k}" for k in range(8)} | {"training.train_stage_final"} <= groups, groups
 
     # the default view is the smoke pipeline, and each dataset has a metadata page (filepath, type)
     assert {".".join([*(n.get("modular_pipelines") or []), n["name"]]) for n in main["nodes"] if n["type"] == "task"} \

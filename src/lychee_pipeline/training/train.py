@@ -169,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         format=f"[rank {accelerator.process_index}] %(message)s",
         stream=sys.stdout,
     )
+    # Accelerate logs six INFO lines per checkpoint ("Saving current state to ...", "Model weights saved in ...");
+    # the checkpoint folders say as much. Its warnings and errors still reach launch.log and the run's log.
+    logging.getLogger("accelerate").setLevel(logging.WARNING)
     # One line from every rank, so a failed stage can quote each rank's last words (others log warnings only).
     print(f"[rank {accelerator.process_index}] started: pid {os.getpid()}, {accelerator.num_processes} process(es), "
           f"device {accelerator.device}", flush=True)

@@ -309,8 +309,8 @@ def test_mining_sits_between_split_and_training_on_the_train_split_only():
     pipes = register_pipelines()
     for name, source in (("full", "train_records"), ("smoke", "smoke_train_records")):
         nodes = {n.name: n for n in pipes[name].nodes}
-        assert set(nodes["mine_negatives"].inputs) == {source, "params:mining", "params:model"}
-        assert "mined_train_records" in nodes["export_training_table"].inputs
+        assert set(nodes["mining.mine_negatives"].inputs) == {source, "params:mining", "params:model"}
+        assert "mined_train_records" in nodes["training.export_training_table"].inputs
         for node in pipes[name].nodes:  # nothing else feeds training from the unmined tables
             if "training" in node.tags:
                 assert not {"train_records", "smoke_train_records", "val_records", "test_records"} & set(node.inputs)

@@ -2,7 +2,8 @@
 
 `train_stage_<n>` runs the check stage on n devices (n = 1, 2, 4, ... one slot per rung of the ladder, see
 `training.planning.CHECK_RUNGS`) and `train_stage_final` the final stage on `gpus`; kedro-viz shows each
-namespace as a collapsible group. Which slots run is decided by the plan (`TrainingPlan.stage_slots`): with
+namespace as a collapsible group, nested in the `training` group of the registered pipelines
+(`pipeline_registry.py`: node `training.train_stage_1.run_stage`). Which slots run is decided by the plan (`TrainingPlan.stage_slots`): with
 gpus=4 the slots on 1 and 2 devices run, the others pass None on.
 """
 
