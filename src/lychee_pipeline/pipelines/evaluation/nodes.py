@@ -34,7 +34,9 @@ from lychee_pipeline.evaluation.score_cache import (
 from lychee_pipeline.evaluation.business import DEFAULT_KS
 from lychee_pipeline.evaluation.scoring_report import add_scoring, scoring_mlflow_metrics
 from lychee_pipeline.evaluation.score_shards import read_scores, score_pairs_in_slices, write_pairs
+from lychee_pipeline.evaluation.scaling import ScalingReport
 from lychee_pipeline.reranker.prompt import instruction_for
+from lychee_pipeline.training.stage import StageResult, as_stage_results
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +90,6 @@ def _number(value: Any) -> float:
 def _item(value: Mapping[str, Any] | None) -> dict[str, Any]:
     value = value or {}
     return {"text": value.get("text"), "image": value.get("image")}
-
-
-def stage_name(stage: Mapping[str, Any], index: int) -> str:
-    """A stage result's name: ``stage``, else ``name``, else ``stage_<index>``."""
-    return str(stage.get("stage") or stage.get("name") or f"stage_{index}")
 
 
 def candidate_table(test_records: Any, seed: int = 0) -> list[dict[str, Any]]:
@@ -205,16 +202,13 @@ def stage_processing(adapter: str | None, training: Mapping[str, Any] | None) ->
     return {k: source[k] for k in ("max_length", "min_pixels", "max_pixels") if source.get(k) is not None}
 
 
-def models_to_score(stage_results: Iterable[Mapping[str, Any]] | None, model: Mapping[str, Any]) -> list[tuple[str, str, str | None]]:
-    """``[(model name, name_or_path, adapter dir)]``: the base model, then each stage's adapter."""
+def models_to_score(stage_results: Iterable[StageResult | Mapping[str, Any]] | None,
+                    model: Mapping[str, Any]) -> list[tuple[str, str, str | None]]:
+    """``[(model name, name_or_path, adapter dir)]``: the base model, then each stage's adapter (whose folder
+    names its own base model; ``name_or_path`` is the configured one)."""
     name_or_path = str(model["name_or_path"])
-    out = [(BASE, name_or_path, model.get("adapter") or None)]
-    for i, stage in enumerate(stage_results or []):
-        adapter = stage.get("adapter_dir") or stage.get("adapter")
-        if not adapter:
-            raise ValueError(f"stage result {stage_name(stage, i)!r} has no 'adapter_dir'")
-        out.append((stage_name(stage, i), str(stage.get("name_or_path") or name_or_path), str(adapter)))
-    return out
+    return [(BASE, name_or_path, model.get("adapter") or None)] + [
+        (result.stage, name_or_path, result.adapter_dir) for result in as_stage_results(stage_results)]
 
 
 # --------------------------------------------------------------------------- nodes
@@ -246,6 +240,7 @@ def score_test_set(
     """
     from lychee_pipeline.training.launch import resolve_device
 
+    results = as_stage_results(stage_results)
     seed = int(evaluation.get("seed", 0))
     queries = candidate_table(test_records, seed)
     if evaluation.get("max_queries"):  # a deterministic slice (the smoke run's "small test slice")
@@ -262,8 +257,8 @@ def score_test_set(
     cache = ScoreCache(cache_cfg.get("dir", "data/07_model_output/score_cache")) if cache_cfg.get("enabled", True) else None
     work_dir = Path(scoring.get("work_dir", "data/07_model_output/scoring"))
 
-    models = models_to_score(stage_results, model)
-    finals = [True] + [bool(s.get("final", True)) for s in (stage_results or [])]
+    models = models_to_score(results, model)
+    finals = [True] + [result.final for result in results]
     final_processing = stage_processing(models[-1][2] if len(models) > 1 else None, training)
     instructions = evaluation.get("instructions")
     pair_sets = {"all": query_pairs(queries, instructions),
@@ -380,15 +375,15 @@ def compute_business_metrics(scores: pd.DataFrame, evaluation: Mapping[str, Any]
     ))
 
 
-def _full_train_pairs(stage_results: Sequence[Mapping[str, Any]], evaluation: Mapping[str, Any]) -> tuple[int | None, str]:
+def _full_train_pairs(results: Sequence[StageResult], evaluation: Mapping[str, Any]) -> tuple[int | None, str]:
     configured = (evaluation.get("scaling") or {}).get("full_train_pairs")
     if configured:
         return int(configured), "parameter evaluation.scaling.full_train_pairs"
-    for stage in stage_results:
-        if stage.get("full_train_pairs"):
-            return int(stage["full_train_pairs"]), "stage results (full_train_pairs)"
-    if stage_results:
-        return max(int(s["train_pairs"]) for s in stage_results), "largest stage's train_pairs (assumed one epoch)"
+    for result in results:
+        if result.full_train_pairs:
+            return result.full_train_pairs, "stage results (full_train_pairs)"
+    if results:
+        return max(r.train_pairs for r in results), "largest stage's train_pairs (assumed one epoch)"
     return None, "none"
 
 
@@ -398,18 +393,12 @@ def compute_scaling_report(
     evaluation: Mapping[str, Any],
 ) -> dict[str, Any]:
     """The scaling table over the stages; each stage's MRR@10 is taken from the test metrics."""
-    stages = []
-    for i, stage in enumerate(stage_results or []):
-        name = stage_name(stage, i)
-        figures = (ranking_metrics.get("models") or {}).get(name)
-        stage = {**stage, "stage": name}
-        if stage.get("mrr_at_10") is None and figures:
-            stage["mrr_at_10"] = figures["overall"]["mrr_at_10"]
-        stages.append(stage)
-    full, source = _full_train_pairs(stages, evaluation)
-    report = scaling_report(stages, full)
-    report["full_train_pairs_source"] = source
-    return _jsonable(report)
+    results = as_stage_results(stage_results)
+    models = ranking_metrics.get("models") or {}
+    mrr = {r.stage: models[r.stage]["overall"]["mrr_at_10"] for r in results if r.stage in models}
+    full, source = _full_train_pairs(results, evaluation)
+    report = scaling_report(results, full, mrr).model_copy(update={"full_train_pairs_source": source})
+    return _jsonable(report.model_dump())
 
 
 def build_report(
@@ -424,9 +413,11 @@ def build_report(
     ``scoring`` (from :func:`score_test_set`) adds the time and pairs/s per model, which scores were sampled
     (check stages) and which were reused from the score cache, to the document, the report and MLflow.
     """
-    losses = {stage_name(s, i): s.get("losses") or [] for i, s in enumerate(stage_results or [])}
-    learning_rates = {stage_name(s, i): s.get("learning_rates") or [] for i, s in enumerate(stage_results or [])}
-    document = _jsonable(build_metrics_document(ranking_metrics, business_metrics, scaling, losses))
+    results = as_stage_results(stage_results)
+    losses = {r.stage: r.losses for r in results}
+    learning_rates = {r.stage: r.learning_rates for r in results}
+    typed_scaling = ScalingReport.model_validate(scaling) if scaling is not None else None
+    document = _jsonable(build_metrics_document(ranking_metrics, business_metrics, typed_scaling, losses))
     if scoring:
         document["scoring"] = _jsonable(scoring)
     report = add_scoring(render_markdown(document), scoring)
