@@ -24,6 +24,7 @@ from lychee_pipeline.evaluation import (
     scaling_report,
 )
 from lychee_pipeline.evaluation.metrics import query_rng
+from lychee_pipeline.evaluation.params import EvaluationParams, evaluation_params
 from lychee_pipeline.evaluation.score_cache import (
     ScoreCache,
     cache_key,
@@ -31,7 +32,6 @@ from lychee_pipeline.evaluation.score_cache import (
     pairs_hash,
     processing_settings,
 )
-from lychee_pipeline.evaluation.business import DEFAULT_KS
 from lychee_pipeline.evaluation.scoring_report import add_scoring, scoring_mlflow_metrics
 from lychee_pipeline.evaluation.score_shards import read_scores, score_pairs_in_slices, write_pairs
 from lychee_pipeline.evaluation.scaling import ScalingReport
@@ -240,27 +240,24 @@ def score_test_set(
     """
     from lychee_pipeline.training.launch import resolve_device
 
-    results = as_stage_results(stage_results)
-    seed = int(evaluation.get("seed", 0))
+    results, params = as_stage_results(stage_results), evaluation_params(evaluation)
+    seed = params.seed
     queries = candidate_table(test_records, seed)
-    if evaluation.get("max_queries"):  # a deterministic slice (the smoke run's "small test slice")
-        queries = queries[: int(evaluation["max_queries"])]
-    check_k = evaluation.get("check_stage_queries")
-    sample = sample_queries(queries, int(check_k) if check_k else None, seed)
-    scoring = dict(evaluation.get("scoring") or {})
-    processes = int(scoring.get("processes") or gpus or 1)
-    reranker_options = dict(evaluation.get("reranker") or {})
-    if evaluation.get("instructions"):
-        reranker_options["instructions"] = evaluation["instructions"]
+    if params.max_queries:  # a deterministic slice (the smoke run's "small test slice")
+        queries = queries[: params.max_queries]
+    sample = sample_queries(queries, params.check_stage_queries, seed)
+    processes = int(params.scoring.processes or gpus or 1)
+    reranker_options = dict(params.reranker)
+    if params.instructions:
+        reranker_options["instructions"] = params.instructions
     device_type = resolve_device(str(reranker_options.get("device") or device or "auto"))
-    cache_cfg = dict(evaluation.get("score_cache") or {})
-    cache = ScoreCache(cache_cfg.get("dir", "data/07_model_output/score_cache")) if cache_cfg.get("enabled", True) else None
-    work_dir = Path(scoring.get("work_dir", "data/07_model_output/scoring"))
+    cache = ScoreCache(params.score_cache.dir) if params.score_cache.enabled else None
+    work_dir = Path(params.scoring.work_dir)
 
     models = models_to_score(results, model)
     finals = [True] + [result.final for result in results]
     final_processing = stage_processing(models[-1][2] if len(models) > 1 else None, training)
-    instructions = evaluation.get("instructions")
+    instructions = params.instructions
     pair_sets = {"all": query_pairs(queries, instructions),
                  "sample": query_pairs(sample, instructions) if len(sample) < len(queries) else None}
     plan, figures, values = [], {}, {}
@@ -323,10 +320,11 @@ def _score_launched(plan, pair_sets, processes, device_type, training, work_dir,
              "options": {k: v for k, v in options.items() if k != "device"},
              "pairs_path": str(paths[which].resolve()), "scores_path": str((work_dir / f"scores_{_safe(name)}.parquet").resolve())}
             for name, name_or_path, adapter, options, which in plan]
-    launch = dict((training or {}).get("launch") or {})
-    launch = {"strategy": "ddp", "mixed_precision": "no", "num_machines": 1, "machine_rank": 0, "main_process_ip": None,
-              "main_process_port": None, "timeout_s": 21600, "threads_per_process": 1, **launch}
-    launch["mixed_precision"] = "no"  # the model's own dtype decides; no autocast on top of it
+    from lychee_pipeline.training.config import LaunchParams
+
+    # the model's own dtype decides; no autocast on top of it
+    launch = LaunchParams.model_validate((training or {}).get("launch") or {}).model_copy(
+        update={"mixed_precision": "no"}).model_dump()
     spec = {"stage": "scoring", "output_dir": str(work_dir.resolve()), "jobs": jobs, "training": {"launch": launch}}
     logger.info("scoring %s on %d %s processes", ", ".join(j["name"] for j in jobs), processes, device_type.upper())
     try:
@@ -351,34 +349,32 @@ def _model_tables(scores: pd.DataFrame) -> dict[str, pd.DataFrame]:
 
 def compute_ranking_metrics(scores: pd.DataFrame, evaluation: Mapping[str, Any]) -> dict[str, Any]:
     """MRR@10, NDCG@10, Recall@1/5/10, MAP per model, by task type and language, and vs base."""
-    sig = evaluation.get("significance") or {}
+    params = evaluation_params(evaluation)
     return _jsonable(evaluate_models(
         _model_tables(scores),
         base=BASE,
-        seed=int(evaluation.get("seed", 0)),
-        n_resamples=int(sig.get("n_resamples", 10_000)),
-        confidence_level=float(sig.get("confidence_level", 0.95)),
+        seed=params.seed,
+        n_resamples=params.significance.n_resamples,
+        confidence_level=params.significance.confidence_level,
     ))
 
 
 def compute_business_metrics(scores: pd.DataFrame, evaluation: Mapping[str, Any]) -> dict[str, Any]:
     """Expected CTR, clicks and purchases, long-tail share and coverage at each k, vs base."""
-    seed = int(evaluation.get("seed", 0))
-    cfg = evaluation.get("business") or {}
-    ranked = {name: rank_candidates(table, seed) for name, table in _model_tables(scores).items()}
+    params = evaluation_params(evaluation)
+    ranked = {name: rank_candidates(table, params.seed) for name, table in _model_tables(scores).items()}
     return _jsonable(compare_business(
         ranked,
         base=BASE,
-        ks=[int(k) for k in cfg.get("ks", DEFAULT_KS)],
-        examination=cfg.get("examination", "log2"),
-        tail_fraction=float(cfg.get("tail_fraction", 0.8)),
+        ks=params.business.ks,
+        examination=params.business.examination,
+        tail_fraction=params.business.tail_fraction,
     ))
 
 
-def _full_train_pairs(results: Sequence[StageResult], evaluation: Mapping[str, Any]) -> tuple[int | None, str]:
-    configured = (evaluation.get("scaling") or {}).get("full_train_pairs")
-    if configured:
-        return int(configured), "parameter evaluation.scaling.full_train_pairs"
+def _full_train_pairs(results: Sequence[StageResult], params: EvaluationParams) -> tuple[int | None, str]:
+    if params.scaling.full_train_pairs:
+        return params.scaling.full_train_pairs, "parameter evaluation.scaling.full_train_pairs"
     for result in results:
         if result.full_train_pairs:
             return result.full_train_pairs, "stage results (full_train_pairs)"
@@ -396,7 +392,7 @@ def compute_scaling_report(
     results = as_stage_results(stage_results)
     models = ranking_metrics.get("models") or {}
     mrr = {r.stage: models[r.stage]["overall"]["mrr_at_10"] for r in results if r.stage in models}
-    full, source = _full_train_pairs(results, evaluation)
+    full, source = _full_train_pairs(results, evaluation_params(evaluation))
     report = scaling_report(results, full, mrr).model_copy(update={"full_train_pairs_source": source})
     return _jsonable(report.model_dump())
 
