@@ -38,11 +38,12 @@ the faster, then to fewer devices).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from lychee_pipeline.training.stage import StageResult
+if TYPE_CHECKING:  # read by attribute only: the report module stays free of torch (training.stage imports it)
+    from lychee_pipeline.training.stage import StageResult
 
 MIN_RATE_STEPS = 20  # timed steps a rate must rest on before it is compared with another
 MAX_RATE_STEPS_RATIO = 4.0

@@ -35,6 +35,7 @@ from lychee_pipeline.evaluation.score_cache import (
 from lychee_pipeline.evaluation.scoring_report import add_scoring, scoring_mlflow_metrics
 from lychee_pipeline.evaluation.score_shards import read_scores, score_pairs_in_slices, write_pairs
 from lychee_pipeline.evaluation.scaling import ScalingReport
+from lychee_pipeline.reranker.model import ModelConfig
 from lychee_pipeline.reranker.prompt import instruction_for
 from lychee_pipeline.training.stage import StageResult, as_stage_results
 
@@ -203,11 +204,14 @@ def stage_processing(adapter: str | None, training: Mapping[str, Any] | None) ->
 
 
 def models_to_score(stage_results: Iterable[StageResult | Mapping[str, Any]] | None,
-                    model: Mapping[str, Any]) -> list[tuple[str, str, str | None]]:
+                    model: ModelConfig | Mapping[str, Any]) -> list[tuple[str, str, str | None]]:
     """``[(model name, name_or_path, adapter dir)]``: the base model, then each stage's adapter (whose folder
     names its own base model; ``name_or_path`` is the configured one)."""
-    name_or_path = str(model["name_or_path"])
-    return [(BASE, name_or_path, model.get("adapter") or None)] + [
+    from lychee_pipeline.training.planning import validated
+
+    config = model if isinstance(model, ModelConfig) else validated(ModelConfig, "model", dict(model))
+    name_or_path = config.name_or_path
+    return [(BASE, name_or_path, config.adapter or None)] + [
         (result.stage, name_or_path, result.adapter_dir) for result in as_stage_results(stage_results)]
 
 

@@ -48,8 +48,11 @@ def log_run_to_mlflow(
         if results:
             from lychee_pipeline.tracking import log_reranker_model
 
-            logged["model_uri"] = log_reranker_model(results[-1].adapter_dir, model["name_or_path"],
-                                                     serving=serving_config)
+            from lychee_pipeline.reranker.model import ModelConfig
+            from lychee_pipeline.training.planning import validated
+
+            base = validated(ModelConfig, "model", dict(model)).name_or_path
+            logged["model_uri"] = log_reranker_model(results[-1].adapter_dir, base, serving=serving_config)
     except Exception as exc:  # noqa: BLE001 - a tracking failure is reported, the run's files are already saved
         log.error("MLflow logging failed (outputs are saved under data/): %s: %s", type(exc).__name__, exc)
         logged["failures"].append(f"{type(exc).__name__}: {exc}")
