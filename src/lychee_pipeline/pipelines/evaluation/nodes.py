@@ -37,6 +37,7 @@ from lychee_pipeline.evaluation.score_shards import read_scores, score_pairs_in_
 from lychee_pipeline.evaluation.scaling import ScalingReport
 from lychee_pipeline.reranker.model import ModelConfig
 from lychee_pipeline.reranker.prompt import instruction_for
+from lychee_pipeline.training.config import TrainingParams
 from lychee_pipeline.training.stage import StageResult, as_stage_results
 
 logger = logging.getLogger(__name__)
@@ -182,7 +183,7 @@ def sample_queries(queries: Sequence[Mapping[str, Any]], k: int | None, seed: in
     return [queries[int(i)] for i in chosen]
 
 
-def stage_processing(adapter: str | None, training: Mapping[str, Any] | None) -> dict[str, Any]:
+def stage_processing(adapter: str | None, training: TrainingParams) -> dict[str, Any]:
     """The processing settings a model was trained with: those saved with its adapter (the stage's last pixel
     budget included), else its stage's spec.json, else the training parameters."""
     from lychee_pipeline.reranker.model import processing_of
@@ -190,17 +191,17 @@ def stage_processing(adapter: str | None, training: Mapping[str, Any] | None) ->
     trained = processing_of(adapter) if adapter else None
     if trained is not None:
         return {k: v for k, v in trained.as_dict().items() if k != "instructions" and v is not None}
-    source: Mapping[str, Any] = training or {}
+    source = training
     if adapter:
         spec_path = Path(adapter).parent / "spec.json"
         if spec_path.is_file():
             from lychee_pipeline.training.stage import StageSpec
 
             try:
-                source = StageSpec.read(spec_path).training.model_dump()
+                source = StageSpec.read(spec_path).training
             except ValueError:  # unreadable, or a spec from before the typed contract: the training parameters
                 pass
-    return {k: source[k] for k in ("max_length", "min_pixels", "max_pixels") if source.get(k) is not None}
+    return {"max_length": source.max_length, "min_pixels": source.min_pixels, "max_pixels": source.max_pixels}
 
 
 def models_to_score(stage_results: Iterable[StageResult | Mapping[str, Any]] | None,
@@ -225,7 +226,7 @@ def score_test_set(
     evaluation: Mapping[str, Any],
     gpus: int = 1,
     device: str = "auto",
-    training: Mapping[str, Any] | None = None,
+    training: TrainingParams | Mapping[str, Any] | None = None,
 ) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Score every test query's shuffled candidates with the base model and each stage's adapter.
 
@@ -243,8 +244,11 @@ def score_test_set(
     name) and the scoring figures ``{"models": {name: {...}}, "processes", "device_type"}``.
     """
     from lychee_pipeline.training.launch import resolve_device
+    from lychee_pipeline.training.planning import validated
 
     results, params = as_stage_results(stage_results), evaluation_params(evaluation)
+    if not isinstance(training, TrainingParams):
+        training = validated(TrainingParams, "training", dict(training or {}))
     seed = params.seed
     queries = candidate_table(test_records, seed)
     if params.max_queries:  # a deterministic slice (the smoke run's "small test slice")
@@ -312,7 +316,8 @@ def score_test_set(
     })
 
 
-def _score_launched(plan, pair_sets, processes, device_type, training, work_dir, figures, values) -> None:
+def _score_launched(plan, pair_sets, processes, device_type, training: TrainingParams, work_dir, figures,
+                    values) -> None:
     """One `accelerate launch` of `processes` processes scoring every model of `plan` (see score_shards)."""
     from lychee_pipeline.training.launch import StageFailed, check_device_count, run_stage
 
@@ -324,11 +329,8 @@ def _score_launched(plan, pair_sets, processes, device_type, training, work_dir,
              "options": {k: v for k, v in options.items() if k != "device"},
              "pairs_path": str(paths[which].resolve()), "scores_path": str((work_dir / f"scores_{_safe(name)}.parquet").resolve())}
             for name, name_or_path, adapter, options, which in plan]
-    from lychee_pipeline.training.config import LaunchParams
-
     # the model's own dtype decides; no autocast on top of it
-    launch = LaunchParams.model_validate((training or {}).get("launch") or {}).model_copy(
-        update={"mixed_precision": "no"}).model_dump()
+    launch = training.launch.model_copy(update={"mixed_precision": "no"}).model_dump()
     spec = {"stage": "scoring", "output_dir": str(work_dir.resolve()), "jobs": jobs, "training": {"launch": launch}}
     logger.info("scoring %s on %d %s processes", ", ".join(j["name"] for j in jobs), processes, device_type.upper())
     try:
