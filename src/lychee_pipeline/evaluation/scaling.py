@@ -58,7 +58,7 @@ PARENT_RUN_FIELDS = (*STAGE_RUN_FIELDS, "mrr_at_10")
 
 
 class _Typed(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+    model_config = ConfigDict(extra="forbid")
 
 
 class ScalingRow(_Typed):

@@ -7,6 +7,8 @@ from typing import Any
 
 from lychee_pipeline.evaluation.report import stage_run_metrics
 from lychee_pipeline.evaluation.scaling import ScalingReport
+from lychee_pipeline.reranker.model import ModelConfig
+from lychee_pipeline.training.planning import validated
 from lychee_pipeline.training.stage import as_stage_results
 
 log = logging.getLogger(__name__)
@@ -26,7 +28,7 @@ def log_run_to_mlflow(
     ``scaling_report``, ``training.final_loss``); test and business metrics stay on the parent run only, one
     place for them. ``serving_config`` (scoring options, image roots) goes into the logged model's
     ``reranker.json``."""
-    results = as_stage_results(stage_results)
+    results, base_model = as_stage_results(stage_results), validated(ModelConfig, "model", dict(model))
     scaling = ScalingReport.model_validate(scaling_report) if scaling_report is not None else None
     logged: dict[str, Any] = {"metrics": 0, "model_uri": None, "failures": []}
     try:
@@ -48,11 +50,8 @@ def log_run_to_mlflow(
         if results:
             from lychee_pipeline.tracking import log_reranker_model
 
-            from lychee_pipeline.reranker.model import ModelConfig
-            from lychee_pipeline.training.planning import validated
-
-            base = validated(ModelConfig, "model", dict(model)).name_or_path
-            logged["model_uri"] = log_reranker_model(results[-1].adapter_dir, base, serving=serving_config)
+            logged["model_uri"] = log_reranker_model(results[-1].adapter_dir, base_model.name_or_path,
+                                                     serving=serving_config)
     except Exception as exc:  # noqa: BLE001 - a tracking failure is reported, the run's files are already saved
         log.error("MLflow logging failed (outputs are saved under data/): %s: %s", type(exc).__name__, exc)
         logged["failures"].append(f"{type(exc).__name__}: {exc}")
