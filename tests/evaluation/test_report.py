@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from PIL import Image
+from stage_results import make_result
 
 from lychee_pipeline.evaluation import (
     METRIC_NAMES,
@@ -48,13 +49,15 @@ def document():
     ranked = {m: rank_candidates(g) for m, g in scores.groupby("model", sort=False)}
     business = compare_business(ranked, ks=[5, 10])
     stages = [
-        {"stage": "stage_1gpu", "devices": 1, "device_type": "cuda", "wall_time_s": 100.0, "train_pairs": 1000,
-         "pairs_per_s": 10.0, "peak_mem_gib": [30.0], "mrr_at_10": ranking["models"]["stage_1gpu"]["overall"]["mrr_at_10"]},
-        {"stage": "stage_2gpu", "devices": 2, "device_type": "cuda", "wall_time_s": 55.0, "train_pairs": 1000,
-         "pairs_per_s": 18.0, "peak_mem_gib": [31.0, 30.5]},
+        make_result(stage="stage_1gpu", devices=1, device_type="cuda", wall_time_s=100.0, train_pairs=1000,
+                    pairs_per_s=10.0, peak_mem_gib=[30.0], steps=100, step_seconds=[]),
+        make_result(stage="stage_2gpu", devices=2, device_type="cuda", wall_time_s=55.0, train_pairs=1000,
+                    pairs_per_s=18.0, peak_mem_gib=[31.0, 30.5], steps=100, step_seconds=[]),
     ]
+    mrr = {"stage_1gpu": ranking["models"]["stage_1gpu"]["overall"]["mrr_at_10"]}
     losses = {"stage_1gpu": [(1, 2.0), (2, 1.2), (3, 0.9)], "stage_2gpu": [{"step": 1, "loss": 2.1}, {"step": 2, "loss": 1.0}]}
-    return json.loads(json.dumps(build_metrics_document(ranking, business, scaling_report(stages, 10_000), losses))), losses
+    scaling = scaling_report(stages, 10_000, mrr)
+    return json.loads(json.dumps(build_metrics_document(ranking, business, scaling, losses))), losses
 
 
 def test_document_carries_every_figure(document):

@@ -85,3 +85,65 @@ def test_the_builtin_losses_by_name_give_the_numbers_of_the_loss_functions():
                        pointwise_loss(logits, labels, torch.tensor([1.0] * 4 + [0.0] * 4)))
     assert torch.equal(get_loss("listwise")(logits, labels, weight, options),
                        listwise_loss(logits, 4, 0.05, weights=weight))
+
+
+# A loss in a user's module: registered in the stage processes by `training.loss_modules`, not by losses.py.
+USER_LOSS_MODULE = '''
+from lychee_pipeline.reranker.losses import LossOptions, pointwise_loss, register_loss
+
+
+@register_loss("offset_pointwise")
+def offset_pointwise(logits, labels, group_weight, options: LossOptions):
+    # the pointwise loss plus 100: the gradient is pointwise's, the logged losses show which loss ran
+    weights = group_weight.to(logits.device).repeat_interleave(options.group_size)
+    return pointwise_loss(logits, labels, weights) + 100.0
+'''
+
+
+@pytest.fixture
+def user_loss_module(tmp_path, monkeypatch):
+    """`offset_pointwise` in a module on the PYTHONPATH of this process and of the stage processes it starts."""
+    import os
+    import sys
+
+    folder = tmp_path / "user_code"
+    folder.mkdir()
+    (folder / "user_losses_for_test.py").write_text(USER_LOSS_MODULE)
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")]))
+    for name in ("LYCHEE_FAULT", "LYCHEE_FAULT_RANK", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(name, raising=False)
+    yield "user_losses_for_test"
+    LOSSES.pop("offset_pointwise", None)
+    sys.modules.pop("user_losses_for_test", None)
+
+
+def test_a_loss_from_a_user_module_trains_a_real_stage(tmp_path, user_loss_module):
+    from lychee_pipeline.pipelines.training.nodes import plan_training, run_training_stage
+    from lychee_pipeline.training.stage import StageSpec
+    from lychee_pipeline.training.synthetic import write_colour_item_table
+
+    assert "offset_pointwise" not in LOSSES  # known only once its module is imported
+    table = str(write_colour_item_table(tmp_path / "data"))
+    plan = plan_training({"name_or_path": "builtin:tiny", "lora": {"r": 4}},
+                         dict(loss_modules=[user_loss_module], loss="offset_pointwise", group_size=4, max_steps=2,
+                              warmup_ratio=0.0, max_length=512, min_pixels=784, max_pixels=56 * 56),
+                         {}, 1, "cpu", {"name": "loss", "output_root": str(tmp_path / "runs")})
+    result = run_training_stage(table, plan, devices=1, final=True)
+    spec = StageSpec.read(tmp_path / "runs/loss/stage_1cpu_final/spec.json")
+    assert spec.training.loss_modules == [user_loss_module] and spec.training.loss == "offset_pointwise"
+    # the stage process imported the module and trained with its loss: every logged loss carries the offset
+    assert result["steps"] == 2 and len(result["losses"]) == 2
+    assert all(100.0 < loss < 110.0 for _, loss in result["losses"])
+
+
+def test_a_loss_module_that_does_not_import_is_a_one_line_error_naming_it(tmp_path):
+    from lychee_pipeline.pipelines.training.nodes import plan_training
+
+    with pytest.raises(ValueError) as error:
+        plan_training({"name_or_path": "builtin:tiny"}, {"loss_modules": ["no_such_losses_module"]}, {}, 1, "cpu",
+                      {"name": "x", "output_root": str(tmp_path)})
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("invalid parameter training.loss_modules: ")
+    assert "loss module 'no_such_losses_module' does not import: ModuleNotFoundError" in message

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from stage_results import make_result
 
 N_QUERIES = 24
 WORDS = ["red", "blue", "green", "silk", "cotton", "leather", "dress", "shoes", "bag", "scarf", "coat", "hat"]
@@ -94,7 +95,8 @@ def register_run(records: list[dict[str, Any]], new_model: str, base_model: str,
     from lychee_pipeline.pipelines.registry.nodes import register_final_model, serving_config
     from lychee_pipeline.tracking import log_reranker_model
 
-    stage_results = [{"stage": stage, "adapter_dir": new_model}]
+    stage_results = [make_result(stage=stage, devices=1, peak_mem_gib=[1.0], adapter_dir=new_model,
+                                 final=True).model_dump()]
     scoring_dir = Path(new_model).parent / f"scoring_{Path(new_model).name}"  # this run's, not the repo's data/
     evaluation = {**EVALUATION, "score_cache": {"enabled": False}, "scoring": {"work_dir": str(scoring_dir)}}
     scores, _ = score_test_set(records, stage_results, {"name_or_path": base_model}, evaluation, 1, "cpu")

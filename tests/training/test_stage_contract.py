@@ -16,7 +16,14 @@ from lychee_pipeline.evaluation.business import DEFAULT_KS
 from lychee_pipeline.reranker.collate import DEFAULT_MAX_LENGTH, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
 from lychee_pipeline.reranker.model import LoraConfig, ModelConfig
 from lychee_pipeline.training.config import StageParams, TrainingParams
-from lychee_pipeline.training.stage import MachineShare, StageResult, StageSpec, spec_hash, stage_outcome
+from lychee_pipeline.training.stage import (
+    MachineShare,
+    StageResult,
+    StageSpec,
+    as_stage_results,
+    spec_hash,
+    stage_outcome,
+)
 
 from stage_results import make_result
 
@@ -60,6 +67,21 @@ def test_an_undeclared_result_field_is_refused():
 def test_a_machine_share_is_its_own_outcome():
     share = stage_outcome({"stage": "s", "machine_rank": 1, "num_machines": 2, "result_on_machine_rank_0": True})
     assert isinstance(share, MachineShare)
+
+
+def test_stage_results_are_typed_at_the_boundary_with_a_one_line_error():
+    typed = make_result(stage="stage_1cpu")
+    results = as_stage_results([typed, make_result(stage="stage_2cpu_final", final=True).model_dump()])
+    assert results[0] is typed and isinstance(results[1], StageResult) and results[1].final
+    assert as_stage_results(None) == []
+    partial = {k: v for k, v in make_result(stage="stage_2cpu").model_dump().items() if k not in ("steps", "processing")}
+    with pytest.raises(ValueError) as error:
+        as_stage_results([typed, {**partial, "relaunched": True}])
+    assert str(error.value) == ("stage result 'stage_2cpu' is not a valid StageResult: steps: Field required; "
+                                "processing: Field required; relaunched: Extra inputs are not permitted")
+    share = MachineShare(stage="stage_4gpu_final", machine_rank=1, num_machines=2).model_dump()
+    with pytest.raises(ValueError, match="^stage result 'stage_4gpu_final' is machine rank 1's share; machine rank 0"):
+        as_stage_results([share])
 
 
 def test_spec_hash_leaves_out_locations_and_timeouts_but_hashes_the_data_bytes(tmp_path):

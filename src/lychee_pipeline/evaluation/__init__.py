@@ -22,10 +22,14 @@ from lychee_pipeline.evaluation.report import (
     mlflow_metrics,
     render_markdown,
 )
-from lychee_pipeline.evaluation.scaling import device_label, scaling_report
+from lychee_pipeline.evaluation.params import EvaluationParams
+from lychee_pipeline.evaluation.scaling import ScalingReport, ScalingRow, device_label, scaling_report
 
 __all__ = [
     "METRIC_NAMES",
+    "EvaluationParams",
+    "ScalingReport",
+    "ScalingRow",
     "build_metrics_document",
     "build_plots",
     "business_metrics",

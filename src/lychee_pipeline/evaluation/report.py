@@ -17,6 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from lychee_pipeline.evaluation.metrics import METRIC_NAMES
+from lychee_pipeline.evaluation.scaling import PARENT_RUN_FIELDS, STAGE_RUN_FIELDS, ScalingReport, ScalingRow
 
 METRIC_LABELS = {
     "mrr_at_10": "MRR@10",
@@ -68,16 +69,22 @@ def training_summary(stage_losses: Mapping[str, Any]) -> dict[str, dict[str, flo
 def build_metrics_document(
     ranking: Mapping[str, Any],
     business: Mapping[str, Any],
-    scaling: Mapping[str, Any] | None,
+    scaling: ScalingReport | None,
     stage_losses: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Everything the report shows, in one JSON-ready dict."""
+    """Everything the report shows, in one JSON-ready dict (the scaling report as its fields)."""
     return {
         "ranking": dict(ranking),
         "business": dict(business),
-        "scaling": dict(scaling) if scaling is not None else None,
+        "scaling": scaling.model_dump() if scaling is not None else None,
         "training": training_summary(stage_losses or {}),
     }
+
+
+def document_scaling(document: Mapping[str, Any]) -> ScalingReport | None:
+    """The document's scaling report, typed again (the document is plain JSON)."""
+    scaling = document.get("scaling")
+    return ScalingReport.model_validate(scaling) if scaling is not None else None
 
 
 def _key(part: Any) -> str:
@@ -92,6 +99,34 @@ def _num(value: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return f if math.isfinite(f) else None
+
+
+def stage_metric_name(group: str, field: str, stage: str | None = None) -> str:
+    """A stage's figure in MLflow: ``<group>.<stage>.<field>`` on the parent run, ``<group>.<field>`` on the
+    stage's own nested run (``stage`` None). The one place these names are made."""
+    return f"{group}.{_key(stage)}.{field}" if stage is not None else f"{group}.{field}"
+
+
+def scaling_row_metrics(row: ScalingRow, on_stage_run: bool = False) -> dict[str, float]:
+    """A scaling row's figures under their MLflow names: every figure on the parent run, the stage's own
+    training figures (no test figure) on its nested run. Missing values are left out."""
+    fields = STAGE_RUN_FIELDS if on_stage_run else PARENT_RUN_FIELDS
+    named = {stage_metric_name("scaling", f, None if on_stage_run else row.stage): _num(getattr(row, f))
+             for f in fields}
+    return {name: value for name, value in named.items() if value is not None}
+
+
+def final_loss_metric(stage: str, losses: Any, on_stage_run: bool = False) -> dict[str, float]:
+    """``training[.<stage>].final_loss``: the last logged loss of the stage (none when it logged none)."""
+    value = _num(training_summary({stage: losses})[stage]["final_loss"])
+    return {stage_metric_name("training", "final_loss", None if on_stage_run else stage): value} \
+        if value is not None else {}
+
+
+def stage_run_metrics(row: ScalingRow | None, stage: str, losses: Any) -> dict[str, float]:
+    """What a stage's nested MLflow run gets: its scaling row's training figures and its final loss."""
+    return {**(scaling_row_metrics(row, on_stage_run=True) if row is not None else {}),
+            **final_loss_metric(stage, losses, on_stage_run=True)}
 
 
 def mlflow_metrics(document: Mapping[str, Any], prefix: str = "test") -> dict[str, float]:
@@ -134,12 +169,11 @@ def mlflow_metrics(document: Mapping[str, Any], prefix: str = "test") -> dict[st
     for model, figures in (business.get("models") or {}).items():
         for metric, value in figures.items():
             put(f"business.{metric}.{_key(model)}", value)
-    for row in ((document.get("scaling") or {}).get("rows") or []):
-        for field in ("devices", "wall_time_s", "pairs_per_s", "scaling_efficiency", "peak_mem_gib_max",
-                      "epoch_time_s", "device_hours_per_epoch", "relative_device_hours", "mrr_at_10"):
-            put(f"scaling.{_key(row['stage'])}.{field}", row.get(field))
+    scaling = document_scaling(document)
+    for row in scaling.rows if scaling is not None else []:
+        out.update(scaling_row_metrics(row))
     for stage, summary in (document.get("training") or {}).items():
-        put(f"training.{_key(stage)}.final_loss", summary.get("final_loss"))
+        put(stage_metric_name("training", "final_loss", stage), summary.get("final_loss"))
     return out
 
 
@@ -167,13 +201,13 @@ def trivial_recalls(ranking: Mapping[str, Any]) -> list[str]:
     return [m for m in METRIC_NAMES if m.startswith("recall_at_") and int(m.rsplit("_", 1)[1]) >= most]
 
 
-def has_scaling_plot(scaling: Mapping[str, Any] | None) -> bool:
+def has_scaling_plot(scaling: ScalingReport | None) -> bool:
     """A scaling plot needs stages on two device counts at least: one point has no slope to compare."""
-    return len({r.get("devices") for r in ((scaling or {}).get("rows") or [])}) >= 2
+    return scaling is not None and len({r.devices for r in scaling.rows}) >= 2
 
 
 def plot_files(document: Mapping[str, Any]) -> list[str]:
-    return [n for n in PLOT_FILES if n != "scaling.png" or has_scaling_plot(document.get("scaling"))]
+    return [n for n in PLOT_FILES if n != "scaling.png" or has_scaling_plot(document_scaling(document))]
 
 
 def render_markdown(document: Mapping[str, Any], plots_dir: str = "plots") -> str:
@@ -251,26 +285,25 @@ def render_markdown(document: Mapping[str, Any], plots_dir: str = "plots") -> st
                       "flags it is the expected number of purchased items a user of one query sees in the top k; "
                       "with counts (the demo data: historical purchases per product) it is an examination-weighted "
                       "count per query, to compare models with, not a forecast of sales."]
-    scaling = document.get("scaling") or {}
+    scaling = document_scaling(document)
     lines += ["", "## Scaling", ""]
-    if scaling.get("rows"):
-        lines += [f"Full training set: {scaling.get('full_train_pairs')} pairs.", ""]
+    if scaling is not None and scaling.rows:
+        lines += [f"Full training set: {scaling.full_train_pairs} pairs.", ""]
         lines += _table(
             ["stage", "devices", "wall time (s)", "pairs/s (timed steps)", "efficiency", "peak mem/device (GiB)",
              "epoch (h)", "device-h/epoch", "relative device-h", "MRR@10"],
-            [[r["stage"], r["label"], _fmt(r["wall_time_s"], 1),
-              _fmt(r["pairs_per_s"], 2) + (f" (steps {r['window'][0]}-{r['window'][1]})" if r.get("window")
-                                          else f" ({r['rate_steps']})" if r.get("rate_steps") is not None else ""),
-              (f"{100 * r['scaling_efficiency']:.0f}%" if _num(r.get("scaling_efficiency")) is not None
-               else "not comparable" if r.get("not_comparable") else "–"),
-              ", ".join(f"{m:.2f}" for m in r["peak_mem_gib"]) or "–",
-              _fmt(r["epoch_time_s"] / 3600 if _num(r["epoch_time_s"]) is not None else None, 3),
-              _fmt(r["device_hours_per_epoch"], 3), _fmt(r.get("relative_device_hours"), 2), _fmt(r["mrr_at_10"])]
-             for r in scaling["rows"]],
+            [[r.stage, r.label, _fmt(r.wall_time_s, 1),
+              _fmt(r.pairs_per_s, 2) + (f" (steps {r.window[0]}-{r.window[1]})" if r.window
+                                        else f" ({r.rate_steps})"),
+              (f"{100 * r.scaling_efficiency:.0f}%" if _num(r.scaling_efficiency) is not None
+               else "not comparable" if r.not_comparable else "–"),
+              ", ".join(f"{m:.2f}" for m in r.peak_mem_gib) or "–",
+              _fmt(r.epoch_time_s / 3600 if _num(r.epoch_time_s) is not None else None, 3),
+              _fmt(r.device_hours_per_epoch, 3), _fmt(r.relative_device_hours, 2), _fmt(r.mrr_at_10)]
+             for r in scaling.rows],
         )
-        lines += [f"{r['stage']}: efficiency not comparable: {r['not_comparable']}."
-                  for r in scaling["rows"] if r.get("not_comparable")]
-        lines += ["", scaling.get("summary", "")]
+        lines += [f"{r.stage}: efficiency not comparable: {r.not_comparable}." for r in scaling.rows if r.not_comparable]
+        lines += ["", scaling.summary]
     else:
         lines += ["No training stage ran."]
     training = document.get("training") or {}
@@ -372,27 +405,26 @@ def plot_task_type_bars(ranking: Mapping[str, Any], metric: str = "mrr_at_10") -
     return fig
 
 
-def plot_scaling(scaling: Mapping[str, Any] | None) -> Figure:
+def plot_scaling(scaling: ScalingReport | None) -> Figure:
     """Throughput against devices (with ideal linear scaling) and scaling efficiency."""
     fig = _figure(10.0, 4.0)
-    rows = (scaling or {}).get("rows") or []
+    rows = scaling.rows if scaling is not None else []
     if not rows:
         _empty(fig.add_subplot(), "no training stage ran")
         return fig
     ax1, ax2 = fig.subplots(1, 2)
-    for device_type in sorted({r["device_type"] for r in rows}):
-        group = sorted((r for r in rows if r["device_type"] == device_type), key=lambda r: r["devices"])
+    for device_type in sorted({r.device_type for r in rows}):
+        group = sorted((r for r in rows if r.device_type == device_type), key=lambda r: r.devices)
         kind = "GPUs" if device_type == "cuda" else "CPU processes"
-        n = [r["devices"] for r in group]
-        ax1.plot(n, [r["pairs_per_s"] for r in group], marker="o", label=f"measured ({kind})")
-        ref = group[0]
-        per_device = ref["pairs_per_s"] / ref["devices"]
+        n = [r.devices for r in group]
+        rates = [r.pairs_per_s if r.pairs_per_s is not None else float("nan") for r in group]
+        ax1.plot(n, rates, marker="o", label=f"measured ({kind})")
+        per_device = rates[0] / group[0].devices
         ax1.plot(n, [per_device * d for d in n], linestyle="--", label=f"linear ({kind})")
-        ax2.bar([f"{r['label']}\n{r['stage']}" + ("\n(not comparable)" if r.get("not_comparable") else "")
-                 for r in group],
-                [100 * (r.get("scaling_efficiency") or 0.0) for r in group])
+        ax2.bar([f"{r.label}\n{r.stage}" + ("\n(not comparable)" if r.not_comparable else "") for r in group],
+                [100 * (r.scaling_efficiency or 0.0) for r in group])
     ax1.set(xlabel="devices", ylabel="pairs / s", title="Training throughput")
-    ax1.set_xticks(sorted({r["devices"] for r in rows}))
+    ax1.set_xticks(sorted({r.devices for r in rows}))
     ax1.legend()
     ax1.grid(alpha=0.3)
     ax2.axhline(100, color="grey", linestyle="--", linewidth=1)
@@ -410,7 +442,7 @@ def build_plots(
         "learning_rates.png": plot_learning_rates(stage_learning_rates or {}),
         "metric_bars.png": plot_metric_bars(ranking),
         "task_type_bars.png": plot_task_type_bars(ranking),
-        **({"scaling.png": plot_scaling(document.get("scaling"))} if has_scaling_plot(document.get("scaling")) else {}),
+        **({"scaling.png": plot_scaling(scaling)} if has_scaling_plot(scaling := document_scaling(document)) else {}),
     }
 
 

@@ -9,6 +9,10 @@ Adding a loss is one function under a name (``training.loss`` then accepts the n
     @register_loss("my_loss")
     def my_loss(logits, labels, group_weight, options: LossOptions) -> torch.Tensor: ...
 
+A loss defined outside this module is registered by importing its module: name it in
+``training.loss_modules`` (import paths), and the planner and every stage process import it before the loss
+name is checked (``import_loss_modules``).
+
 ``labels`` [N] are 1 for the positive and 0 for negatives, ``group_weight`` [B] is 0 for a padding
 slot of an epoch and 1 otherwise (a group of weight 0 must add nothing to the loss or its gradient),
 and the result is the mean over the micro-batch's B groups (the trainer scales it to the global batch).
@@ -16,7 +20,8 @@ and the result is the mean over the micro-batch's B groups (the trainer scales i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -132,3 +137,15 @@ def listwise(logits: torch.Tensor, labels: torch.Tensor, group_weight: torch.Ten
              options: LossOptions) -> torch.Tensor:
     """:func:`listwise_loss` at ``options.temperature`` (the positive is first in every group, labels unused)."""
     return listwise_loss(logits, options.group_size, options.temperature, weights=group_weight)
+
+
+def import_loss_modules(modules: Iterable[str]) -> None:
+    """Import each module by its import path, so its ``@register_loss`` functions are registered here.
+
+    A module that does not import is a one-line error naming it and why."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001 - any failure of a user's module is reported, in one line
+            reason = (str(exc).splitlines() or [""])[0]
+            raise ValueError(f"loss module {module!r} does not import: {type(exc).__name__}: {reason}") from None

@@ -61,7 +61,10 @@ class DataLoaderParams(_Strict):
 
 
 class TrainingParams(_Strict):
-    loss: str = "pointwise"  # a name registered in reranker/losses.py (pointwise, listwise, ...)
+    # Modules (import paths) whose import registers more losses: imported before `loss` is checked (fields
+    # validate in order), in the planner and in every stage process reading its StageSpec.
+    loss_modules: list[str] = []
+    loss: str = "pointwise"  # a name registered in reranker/losses.py or by a loss module (pointwise, listwise, ...)
     temperature: float = Field(0.05, gt=0.0)
     group_size: int = Field(8, ge=2)
     # a record with fewer than group_size - 1 negatives: fill its group with other records' documents
@@ -90,6 +93,14 @@ class TrainingParams(_Strict):
     memory_budget_gib: float = Field(40.0, gt=0.0)  # per device, for model.activation_checkpointing: auto
     dataloader: DataLoaderParams = DataLoaderParams()
     launch: LaunchParams = LaunchParams()
+
+    @field_validator("loss_modules")
+    @classmethod
+    def _import_loss_modules(cls, value: list[str]) -> list[str]:
+        from lychee_pipeline.reranker.losses import import_loss_modules
+
+        import_loss_modules(value)
+        return value
 
     @field_validator("loss")
     @classmethod

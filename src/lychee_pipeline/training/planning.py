@@ -144,6 +144,11 @@ class UnusedSlot(BaseModel):
     reason: str
 
 
+def slot_outcome(values: dict[str, Any]) -> StageOutcome | UnusedSlot:
+    """What a stage slot's dataset holds, typed: an unused slot, else the stage's outcome."""
+    return UnusedSlot.model_validate(values) if values.get("unused_slot") else stage_outcome(values)
+
+
 class TrainingPlan(BaseModel):
     """The validated parameters and the ladder, written once per run (the `training_plan` dataset)."""
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lychee_pipeline.reranker.model import ModelConfig
 from lychee_pipeline.reranker.processing import ProcessingConfig
@@ -146,3 +147,24 @@ def stage_outcome(values: StageOutcome | dict[str, Any]) -> StageOutcome:
     if values.get("result_on_machine_rank_0"):
         return MachineShare.model_validate(values)
     return StageResult.model_validate(values)
+
+
+def as_stage_results(values: Iterable[StageResult | dict[str, Any]] | None) -> list[StageResult]:
+    """The `stage_results` dataset (JSON rows, or results as they are) as `StageResult`s, in order.
+
+    The boundary where evaluation and reporting take a run's stages: a row that is not a complete result (an
+    undeclared or missing field, a machine rank > 0 share) is a one-line error naming the stage and the fields.
+    """
+    results = []
+    for index, value in enumerate(values or []):
+        name = value.stage if isinstance(value, (StageResult, MachineShare)) else value.get("stage", f"#{index}")
+        try:
+            outcome = stage_outcome(value)
+        except ValidationError as error:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors(include_url=False))
+            raise ValueError(f"stage result {name!r} is not a valid StageResult: {problems}") from None
+        if isinstance(outcome, MachineShare):
+            raise ValueError(f"stage result {name!r} is machine rank {outcome.machine_rank}'s share; "
+                             "machine rank 0 holds the StageResult")
+        results.append(outcome)
+    return results

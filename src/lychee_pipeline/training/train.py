@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     # Padded to whole global batches with zero-weight slots: every record once per epoch, on any N.
     sampler = EpochPermutation(len(records), train["seed"], accelerator.num_processes * train["per_device_batch_size"])
     trace_records = os.environ.get("LYCHEE_TRACE_RECORDS") == "1"  # tests: which records each step saw
+    # a loss from a user's module is registered by now: reading the spec imported `training.loss_modules`
     compute_loss, loss_options = get_loss(train["loss"]), LossOptions(train["group_size"], train["temperature"])
     batches = len(sampler) // train["per_device_batch_size"]
     steps_per_epoch = max(1, math.ceil(batches / accelerator.num_processes / train["gradient_accumulation_steps"]))

@@ -17,6 +17,7 @@ import yaml
 from kedro.io import DataCatalog, MemoryDataset
 from kedro.runner import SequentialRunner
 from PIL import Image
+from stage_results import make_result
 
 from lychee_pipeline.evaluation.report import PLOT_FILES
 from lychee_pipeline.pipelines.evaluation import create_pipeline
@@ -78,11 +79,12 @@ def test_candidates_from_contract_records():
 
 
 def test_models_to_score():
-    stages = [{"stage": "stage_1gpu", "adapter_dir": "/a"}, {"name": "stage_2gpu", "adapter_dir": "/b"}]
+    stages = [make_result(stage="stage_1gpu", adapter_dir="/a").model_dump(), make_result(stage="stage_2gpu", adapter_dir="/b")]
     assert models_to_score(stages, {"name_or_path": "builtin:tiny"}) == [
         ("base", "builtin:tiny", None), ("stage_1gpu", "builtin:tiny", "/a"), ("stage_2gpu", "builtin:tiny", "/b")]
-    with pytest.raises(ValueError, match="adapter_dir"):
-        models_to_score([{"stage": "s"}], {"name_or_path": "x"})
+    without_adapter = {k: v for k, v in make_result(stage="s").model_dump().items() if k != "adapter_dir"}
+    with pytest.raises(ValueError, match="stage result 's' is not a valid StageResult: adapter_dir: Field required"):
+        models_to_score([without_adapter], {"name_or_path": "x"})
 
 
 def hand_scores():
@@ -103,12 +105,13 @@ def hand_scores():
     return pd.DataFrame(rows, columns=SCORE_COLUMNS)
 
 
-STAGES = [
-    {"stage": "stage_1gpu", "devices": 1, "device_type": "cpu", "wall_time_s": 40.0, "train_pairs": 400,
-     "pairs_per_s": 10.0, "peak_mem_gib": [2.0], "adapter_dir": "unused", "losses": [[1, 0.9], [2, 0.7], [3, 0.6]]},
-    {"stage": "stage_2gpu", "devices": 2, "device_type": "cpu", "wall_time_s": 25.0, "train_pairs": 400,
-     "pairs_per_s": 16.0, "peak_mem_gib": [2.1, 2.0], "adapter_dir": "unused", "losses": [[1, 0.8], [2, 0.5]],
-     "full_train_pairs": 4000},
+STAGES = [  # as the stage_results dataset holds them (JSON); timed over 100 steps without per-step timings
+    make_result(stage="stage_1gpu", devices=1, device_type="cpu", wall_time_s=40.0, train_pairs=400, steps=100,
+                step_seconds=[], pairs_per_s=10.0, peak_mem_gib=[2.0], adapter_dir="unused",
+                losses=[[1, 0.9], [2, 0.7], [3, 0.6]], full_train_pairs=4000).model_dump(),
+    make_result(stage="stage_2gpu", devices=2, device_type="cpu", wall_time_s=25.0, train_pairs=400, steps=100,
+                step_seconds=[], pairs_per_s=16.0, peak_mem_gib=[2.1, 2.0], adapter_dir="unused",
+                losses=[[1, 0.8], [2, 0.5]], full_train_pairs=4000, final=True).model_dump(),
 ]
 
 

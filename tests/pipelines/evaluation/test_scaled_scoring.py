@@ -17,6 +17,7 @@ import pyarrow as pa
 import pytest
 import yaml
 from PIL import Image
+from stage_results import make_result
 
 from lychee_pipeline.evaluation.scoring_report import add_scoring, scoring_mlflow_metrics
 from lychee_pipeline.pipelines.evaluation.nodes import (
@@ -150,12 +151,11 @@ def test_check_stages_are_scored_on_a_seeded_sample_and_marked(scoring_env):
     assert len({q["query_id"] for q in sample}) == 3
     tiny = str(ensure_tiny())
     stages = [
-        {"stage": "stage_1cpu", "adapter_dir": tiny, "final": False, "devices": 1, "device_type": "cpu", "wall_time_s": 4.0,
-         "peak_mem_gib": [1.0], "train_pairs": 8, "steps": 3,
-         "pairs_per_s": 5.0, "losses": [[1, 0.7], [2, 0.6]]},
-        {"stage": "stage_2cpu_final", "adapter_dir": tiny, "final": True, "devices": 2, "device_type": "cpu", "wall_time_s": 5.0,
-         "peak_mem_gib": [1.0, 1.0], "train_pairs": 16,
-         "steps": 6, "pairs_per_s": 9.0, "losses": [[1, 0.7], [2, 0.5]]},
+        make_result(stage="stage_1cpu", adapter_dir=tiny, final=False, devices=1, device_type="cpu", wall_time_s=4.0,
+                    peak_mem_gib=[1.0], train_pairs=8, steps=3, pairs_per_s=5.0, losses=[[1, 0.7], [2, 0.6]]).model_dump(),
+        make_result(stage="stage_2cpu_final", adapter_dir=tiny, final=True, devices=2, device_type="cpu", wall_time_s=5.0,
+                    peak_mem_gib=[1.0, 1.0], train_pairs=16, steps=6, pairs_per_s=9.0,
+                    losses=[[1, 0.7], [2, 0.5]]).model_dump(),
     ]
     evaluation = params(tmp_path, check_stage_queries=3, score_cache={"enabled": False})
     scores, scoring = score_test_set(records, stages, {"name_or_path": "builtin:tiny"}, evaluation, 1, "cpu", TRAINING)

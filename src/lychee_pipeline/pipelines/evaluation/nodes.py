@@ -24,6 +24,7 @@ from lychee_pipeline.evaluation import (
     scaling_report,
 )
 from lychee_pipeline.evaluation.metrics import query_rng
+from lychee_pipeline.evaluation.params import EvaluationParams, evaluation_params
 from lychee_pipeline.evaluation.score_cache import (
     ScoreCache,
     cache_key,
@@ -31,10 +32,13 @@ from lychee_pipeline.evaluation.score_cache import (
     pairs_hash,
     processing_settings,
 )
-from lychee_pipeline.evaluation.business import DEFAULT_KS
 from lychee_pipeline.evaluation.scoring_report import add_scoring, scoring_mlflow_metrics
 from lychee_pipeline.evaluation.score_shards import read_scores, score_pairs_in_slices, write_pairs
+from lychee_pipeline.evaluation.scaling import ScalingReport
+from lychee_pipeline.reranker.model import ModelConfig
 from lychee_pipeline.reranker.prompt import instruction_for
+from lychee_pipeline.training.config import TrainingParams
+from lychee_pipeline.training.stage import StageResult, as_stage_results
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +92,6 @@ def _number(value: Any) -> float:
 def _item(value: Mapping[str, Any] | None) -> dict[str, Any]:
     value = value or {}
     return {"text": value.get("text"), "image": value.get("image")}
-
-
-def stage_name(stage: Mapping[str, Any], index: int) -> str:
-    """A stage result's name: ``stage``, else ``name``, else ``stage_<index>``."""
-    return str(stage.get("stage") or stage.get("name") or f"stage_{index}")
 
 
 def candidate_table(test_records: Any, seed: int = 0) -> list[dict[str, Any]]:
@@ -184,7 +183,7 @@ def sample_queries(queries: Sequence[Mapping[str, Any]], k: int | None, seed: in
     return [queries[int(i)] for i in chosen]
 
 
-def stage_processing(adapter: str | None, training: Mapping[str, Any] | None) -> dict[str, Any]:
+def stage_processing(adapter: str | None, training: TrainingParams) -> dict[str, Any]:
     """The processing settings a model was trained with: those saved with its adapter (the stage's last pixel
     budget included), else its stage's spec.json, else the training parameters."""
     from lychee_pipeline.reranker.model import processing_of
@@ -192,29 +191,29 @@ def stage_processing(adapter: str | None, training: Mapping[str, Any] | None) ->
     trained = processing_of(adapter) if adapter else None
     if trained is not None:
         return {k: v for k, v in trained.as_dict().items() if k != "instructions" and v is not None}
-    source: Mapping[str, Any] = training or {}
+    source = training
     if adapter:
         spec_path = Path(adapter).parent / "spec.json"
         if spec_path.is_file():
             from lychee_pipeline.training.stage import StageSpec
 
             try:
-                source = StageSpec.read(spec_path).training.model_dump()
+                source = StageSpec.read(spec_path).training
             except ValueError:  # unreadable, or a spec from before the typed contract: the training parameters
                 pass
-    return {k: source[k] for k in ("max_length", "min_pixels", "max_pixels") if source.get(k) is not None}
+    return {"max_length": source.max_length, "min_pixels": source.min_pixels, "max_pixels": source.max_pixels}
 
 
-def models_to_score(stage_results: Iterable[Mapping[str, Any]] | None, model: Mapping[str, Any]) -> list[tuple[str, str, str | None]]:
-    """``[(model name, name_or_path, adapter dir)]``: the base model, then each stage's adapter."""
-    name_or_path = str(model["name_or_path"])
-    out = [(BASE, name_or_path, model.get("adapter") or None)]
-    for i, stage in enumerate(stage_results or []):
-        adapter = stage.get("adapter_dir") or stage.get("adapter")
-        if not adapter:
-            raise ValueError(f"stage result {stage_name(stage, i)!r} has no 'adapter_dir'")
-        out.append((stage_name(stage, i), str(stage.get("name_or_path") or name_or_path), str(adapter)))
-    return out
+def models_to_score(stage_results: Iterable[StageResult | Mapping[str, Any]] | None,
+                    model: ModelConfig | Mapping[str, Any]) -> list[tuple[str, str, str | None]]:
+    """``[(model name, name_or_path, adapter dir)]``: the base model, then each stage's adapter (whose folder
+    names its own base model; ``name_or_path`` is the configured one)."""
+    from lychee_pipeline.training.planning import validated
+
+    config = model if isinstance(model, ModelConfig) else validated(ModelConfig, "model", dict(model))
+    name_or_path = config.name_or_path
+    return [(BASE, name_or_path, config.adapter or None)] + [
+        (result.stage, name_or_path, result.adapter_dir) for result in as_stage_results(stage_results)]
 
 
 # --------------------------------------------------------------------------- nodes
@@ -227,7 +226,7 @@ def score_test_set(
     evaluation: Mapping[str, Any],
     gpus: int = 1,
     device: str = "auto",
-    training: Mapping[str, Any] | None = None,
+    training: TrainingParams | Mapping[str, Any] | None = None,
 ) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Score every test query's shuffled candidates with the base model and each stage's adapter.
 
@@ -245,27 +244,28 @@ def score_test_set(
     name) and the scoring figures ``{"models": {name: {...}}, "processes", "device_type"}``.
     """
     from lychee_pipeline.training.launch import resolve_device
+    from lychee_pipeline.training.planning import validated
 
-    seed = int(evaluation.get("seed", 0))
+    results, params = as_stage_results(stage_results), evaluation_params(evaluation)
+    if not isinstance(training, TrainingParams):
+        training = validated(TrainingParams, "training", dict(training or {}))
+    seed = params.seed
     queries = candidate_table(test_records, seed)
-    if evaluation.get("max_queries"):  # a deterministic slice (the smoke run's "small test slice")
-        queries = queries[: int(evaluation["max_queries"])]
-    check_k = evaluation.get("check_stage_queries")
-    sample = sample_queries(queries, int(check_k) if check_k else None, seed)
-    scoring = dict(evaluation.get("scoring") or {})
-    processes = int(scoring.get("processes") or gpus or 1)
-    reranker_options = dict(evaluation.get("reranker") or {})
-    if evaluation.get("instructions"):
-        reranker_options["instructions"] = evaluation["instructions"]
+    if params.max_queries:  # a deterministic slice (the smoke run's "small test slice")
+        queries = queries[: params.max_queries]
+    sample = sample_queries(queries, params.check_stage_queries, seed)
+    processes = int(params.scoring.processes or gpus or 1)
+    reranker_options = dict(params.reranker)
+    if params.instructions:
+        reranker_options["instructions"] = params.instructions
     device_type = resolve_device(str(reranker_options.get("device") or device or "auto"))
-    cache_cfg = dict(evaluation.get("score_cache") or {})
-    cache = ScoreCache(cache_cfg.get("dir", "data/07_model_output/score_cache")) if cache_cfg.get("enabled", True) else None
-    work_dir = Path(scoring.get("work_dir", "data/07_model_output/scoring"))
+    cache = ScoreCache(params.score_cache.dir) if params.score_cache.enabled else None
+    work_dir = Path(params.scoring.work_dir)
 
-    models = models_to_score(stage_results, model)
-    finals = [True] + [bool(s.get("final", True)) for s in (stage_results or [])]
+    models = models_to_score(results, model)
+    finals = [True] + [result.final for result in results]
     final_processing = stage_processing(models[-1][2] if len(models) > 1 else None, training)
-    instructions = evaluation.get("instructions")
+    instructions = params.instructions
     pair_sets = {"all": query_pairs(queries, instructions),
                  "sample": query_pairs(sample, instructions) if len(sample) < len(queries) else None}
     plan, figures, values = [], {}, {}
@@ -316,7 +316,8 @@ def score_test_set(
     })
 
 
-def _score_launched(plan, pair_sets, processes, device_type, training, work_dir, figures, values) -> None:
+def _score_launched(plan, pair_sets, processes, device_type, training: TrainingParams, work_dir, figures,
+                    values) -> None:
     """One `accelerate launch` of `processes` processes scoring every model of `plan` (see score_shards)."""
     from lychee_pipeline.training.launch import StageFailed, check_device_count, run_stage
 
@@ -328,10 +329,8 @@ def _score_launched(plan, pair_sets, processes, device_type, training, work_dir,
              "options": {k: v for k, v in options.items() if k != "device"},
              "pairs_path": str(paths[which].resolve()), "scores_path": str((work_dir / f"scores_{_safe(name)}.parquet").resolve())}
             for name, name_or_path, adapter, options, which in plan]
-    launch = dict((training or {}).get("launch") or {})
-    launch = {"strategy": "ddp", "mixed_precision": "no", "num_machines": 1, "machine_rank": 0, "main_process_ip": None,
-              "main_process_port": None, "timeout_s": 21600, "threads_per_process": 1, **launch}
-    launch["mixed_precision"] = "no"  # the model's own dtype decides; no autocast on top of it
+    # the model's own dtype decides; no autocast on top of it
+    launch = training.launch.model_copy(update={"mixed_precision": "no"}).model_dump()
     spec = {"stage": "scoring", "output_dir": str(work_dir.resolve()), "jobs": jobs, "training": {"launch": launch}}
     logger.info("scoring %s on %d %s processes", ", ".join(j["name"] for j in jobs), processes, device_type.upper())
     try:
@@ -356,39 +355,37 @@ def _model_tables(scores: pd.DataFrame) -> dict[str, pd.DataFrame]:
 
 def compute_ranking_metrics(scores: pd.DataFrame, evaluation: Mapping[str, Any]) -> dict[str, Any]:
     """MRR@10, NDCG@10, Recall@1/5/10, MAP per model, by task type and language, and vs base."""
-    sig = evaluation.get("significance") or {}
+    params = evaluation_params(evaluation)
     return _jsonable(evaluate_models(
         _model_tables(scores),
         base=BASE,
-        seed=int(evaluation.get("seed", 0)),
-        n_resamples=int(sig.get("n_resamples", 10_000)),
-        confidence_level=float(sig.get("confidence_level", 0.95)),
+        seed=params.seed,
+        n_resamples=params.significance.n_resamples,
+        confidence_level=params.significance.confidence_level,
     ))
 
 
 def compute_business_metrics(scores: pd.DataFrame, evaluation: Mapping[str, Any]) -> dict[str, Any]:
     """Expected CTR, clicks and purchases, long-tail share and coverage at each k, vs base."""
-    seed = int(evaluation.get("seed", 0))
-    cfg = evaluation.get("business") or {}
-    ranked = {name: rank_candidates(table, seed) for name, table in _model_tables(scores).items()}
+    params = evaluation_params(evaluation)
+    ranked = {name: rank_candidates(table, params.seed) for name, table in _model_tables(scores).items()}
     return _jsonable(compare_business(
         ranked,
         base=BASE,
-        ks=[int(k) for k in cfg.get("ks", DEFAULT_KS)],
-        examination=cfg.get("examination", "log2"),
-        tail_fraction=float(cfg.get("tail_fraction", 0.8)),
+        ks=params.business.ks,
+        examination=params.business.examination,
+        tail_fraction=params.business.tail_fraction,
     ))
 
 
-def _full_train_pairs(stage_results: Sequence[Mapping[str, Any]], evaluation: Mapping[str, Any]) -> tuple[int | None, str]:
-    configured = (evaluation.get("scaling") or {}).get("full_train_pairs")
-    if configured:
-        return int(configured), "parameter evaluation.scaling.full_train_pairs"
-    for stage in stage_results:
-        if stage.get("full_train_pairs"):
-            return int(stage["full_train_pairs"]), "stage results (full_train_pairs)"
-    if stage_results:
-        return max(int(s["train_pairs"]) for s in stage_results), "largest stage's train_pairs (assumed one epoch)"
+def _full_train_pairs(results: Sequence[StageResult], params: EvaluationParams) -> tuple[int | None, str]:
+    if params.scaling.full_train_pairs:
+        return params.scaling.full_train_pairs, "parameter evaluation.scaling.full_train_pairs"
+    for result in results:
+        if result.full_train_pairs:
+            return result.full_train_pairs, "stage results (full_train_pairs)"
+    if results:
+        return max(r.train_pairs for r in results), "largest stage's train_pairs (assumed one epoch)"
     return None, "none"
 
 
@@ -398,18 +395,12 @@ def compute_scaling_report(
     evaluation: Mapping[str, Any],
 ) -> dict[str, Any]:
     """The scaling table over the stages; each stage's MRR@10 is taken from the test metrics."""
-    stages = []
-    for i, stage in enumerate(stage_results or []):
-        name = stage_name(stage, i)
-        figures = (ranking_metrics.get("models") or {}).get(name)
-        stage = {**stage, "stage": name}
-        if stage.get("mrr_at_10") is None and figures:
-            stage["mrr_at_10"] = figures["overall"]["mrr_at_10"]
-        stages.append(stage)
-    full, source = _full_train_pairs(stages, evaluation)
-    report = scaling_report(stages, full)
-    report["full_train_pairs_source"] = source
-    return _jsonable(report)
+    results = as_stage_results(stage_results)
+    models = ranking_metrics.get("models") or {}
+    mrr = {r.stage: models[r.stage]["overall"]["mrr_at_10"] for r in results if r.stage in models}
+    full, source = _full_train_pairs(results, evaluation_params(evaluation))
+    report = scaling_report(results, full, mrr).model_copy(update={"full_train_pairs_source": source})
+    return _jsonable(report.model_dump())
 
 
 def build_report(
@@ -424,9 +415,11 @@ def build_report(
     ``scoring`` (from :func:`score_test_set`) adds the time and pairs/s per model, which scores were sampled
     (check stages) and which were reused from the score cache, to the document, the report and MLflow.
     """
-    losses = {stage_name(s, i): s.get("losses") or [] for i, s in enumerate(stage_results or [])}
-    learning_rates = {stage_name(s, i): s.get("learning_rates") or [] for i, s in enumerate(stage_results or [])}
-    document = _jsonable(build_metrics_document(ranking_metrics, business_metrics, scaling, losses))
+    results = as_stage_results(stage_results)
+    losses = {r.stage: r.losses for r in results}
+    learning_rates = {r.stage: r.learning_rates for r in results}
+    typed_scaling = ScalingReport.model_validate(scaling) if scaling is not None else None
+    document = _jsonable(build_metrics_document(ranking_metrics, business_metrics, typed_scaling, losses))
     if scoring:
         document["scoring"] = _jsonable(scoring)
     report = add_scoring(render_markdown(document), scoring)

@@ -5,6 +5,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from lychee_pipeline.evaluation.report import stage_run_metrics
+from lychee_pipeline.evaluation.scaling import ScalingReport
+from lychee_pipeline.reranker.model import ModelConfig
+from lychee_pipeline.training.planning import validated
+from lychee_pipeline.training.stage import as_stage_results
+
 log = logging.getLogger(__name__)
 
 
@@ -12,27 +18,18 @@ def _numeric(metrics: dict[str, Any], prefix: str) -> dict[str, float]:
     return {f"{prefix}.{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-STAGE_RUN_PREFIXES = ("scaling", "training")
-
-
-def stage_training_metrics(evaluation_mlflow_metrics: dict[str, float], stage: str) -> dict[str, float]:
-    """`scaling.<stage>.pairs_per_s` -> `scaling.pairs_per_s`, ...: a stage run's training figures only."""
-    out = {}
-    for key, value in evaluation_mlflow_metrics.items():
-        parts = key.split(".")
-        if parts[0] in STAGE_RUN_PREFIXES and stage in parts and parts[-1] != "mrr_at_10":  # test figure: parent
-            parts.remove(stage)
-            out[".".join(parts)] = float(value)
-    return out
-
-
 def log_run_to_mlflow(
     evaluation_mlflow_metrics: dict[str, float], data_counts: dict[str, Any], stage_results: list[dict], model: dict,
-    serving_config: dict[str, Any] | None = None,
+    serving_config: dict[str, Any] | None = None, scaling_report: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Log data counts and evaluation metrics on the parent run, per-stage figures on the stage runs, and the model.
 
-    ``serving_config`` (scoring options, image roots) goes into the logged model's ``reranker.json``."""
+    Each stage's nested run gets its own training figures (``scaling.<field>`` from its row of
+    ``scaling_report``, ``training.final_loss``); test and business metrics stay on the parent run only, one
+    place for them. ``serving_config`` (scoring options, image roots) goes into the logged model's
+    ``reranker.json``."""
+    results, base_model = as_stage_results(stage_results), validated(ModelConfig, "model", dict(model))
+    scaling = ScalingReport.model_validate(scaling_report) if scaling_report is not None else None
     logged: dict[str, Any] = {"metrics": 0, "model_uri": None, "failures": []}
     try:
         import mlflow
@@ -45,16 +42,16 @@ def log_run_to_mlflow(
         mlflow.log_metrics(metrics)
         logged["metrics"] = len(metrics)
         client = mlflow.MlflowClient()
-        for result in stage_results:  # the stage's own training figures on its nested run (scaling.<stage>.*,
-            # training.<stage>.*); test and business metrics stay on the parent run only, one place for them
-            if result.get("mlflow_run_id"):
-                for key, value in stage_training_metrics(evaluation_mlflow_metrics, result["stage"]).items():
-                    client.log_metric(result["mlflow_run_id"], key, value)
-        final = stage_results[-1] if stage_results else None
-        if final is not None:
+        for result in results:
+            if result.mlflow_run_id:
+                row = scaling.row(result.stage) if scaling is not None else None
+                for key, value in stage_run_metrics(row, result.stage, result.losses).items():
+                    client.log_metric(result.mlflow_run_id, key, value)
+        if results:
             from lychee_pipeline.tracking import log_reranker_model
 
-            logged["model_uri"] = log_reranker_model(final["adapter_dir"], model["name_or_path"], serving=serving_config)
+            logged["model_uri"] = log_reranker_model(results[-1].adapter_dir, base_model.name_or_path,
+                                                     serving=serving_config)
     except Exception as exc:  # noqa: BLE001 - a tracking failure is reported, the run's files are already saved
         log.error("MLflow logging failed (outputs are saved under data/): %s: %s", type(exc).__name__, exc)
         logged["failures"].append(f"{type(exc).__name__}: {exc}")
@@ -65,6 +62,7 @@ def summarize_run(data_counts: dict[str, Any], stage_results: list[dict], evalua
                   mlflow_logging: dict[str, Any], registry_outcome: dict[str, Any] | None = None) -> dict[str, Any]:
     """One closing summary: records in and out, stages, MRR@10 base -> fine-tuned, where the report is, and
     (in `full`) what the model registry did."""
+    results = as_stage_results(stage_results)
     mrr = {m: evaluation_mlflow_metrics.get(f"test.mrr_at_10.{m}") for m in ("base", "finetuned")}
     summary = {
         "records_in": data_counts.get("lines_in"),
@@ -73,7 +71,7 @@ def summarize_run(data_counts: dict[str, Any], stage_results: list[dict], evalua
         "quarantined": data_counts.get("quarantined"),
         "train_records": data_counts.get("train_size"),
         "test_records": data_counts.get("test_size"),
-        "stages": [f"{r['stage']}: {r['steps']} steps, {r['pairs_per_s']:.1f} pairs/s" for r in stage_results],
+        "stages": [f"{r.stage}: {r.steps} steps, {r.pairs_per_s:.1f} pairs/s" for r in results],
         "mrr_at_10_base": mrr.get("base"),
         "mrr_at_10_finetuned": mrr.get("finetuned"),
         "report": "data/08_reporting/evaluation_report.md",

@@ -12,8 +12,7 @@ import pyarrow as pa
 
 from lychee_pipeline.training import gate, planning
 from lychee_pipeline.training.gate import StageGateError
-from lychee_pipeline.training.planning import ParameterError, StageSlot, TrainingPlan, UnusedSlot
-from lychee_pipeline.training.stage import stage_outcome
+from lychee_pipeline.training.planning import ParameterError, StageSlot, TrainingPlan, UnusedSlot, slot_outcome
 
 __all__ = ["ParameterError", "StageGateError", "assign_stage_slots", "check_stage", "collect_stage_results",
            "export_training_table", "final_stage_slot", "plan_smoke_training", "plan_training", "run_stage_slot",
@@ -55,19 +54,21 @@ def run_training_stage(training_data: str, plan: dict, devices: int, final: bool
 
 def run_stage_slot(training_data: str, plan: dict, slot: dict, after: Any = None) -> dict:
     """Run the slot's stage (`after`: the dataset it waits for), or say why this run's ladder has none there."""
-    slot = StageSlot.model_validate(slot)
+    slot, typed_plan = StageSlot.model_validate(slot), TrainingPlan.model_validate(plan)
     if slot.devices is None:
-        return UnusedSlot(reason=f"gpus={plan['gpus']}: the ladder {plan['ladder']} has no check stage here").model_dump()
-    return run_training_stage(training_data, plan, slot.devices, slot.final)
+        return UnusedSlot(reason=f"gpus={typed_plan.gpus}: the ladder {typed_plan.ladder} has no check stage here"
+                          ).model_dump()
+    return planning.run_training_stage(training_data, typed_plan, slot.devices, slot.final).model_dump()
 
 
 def check_stage(result: dict, plan: dict) -> dict:
     """The gate between stages: raises StageGateError, or passes the result on (an unused slot too)."""
-    if not result.get("unused_slot"):
-        gate.check_stage(stage_outcome(result), TrainingPlan.model_validate(plan).stages.gate)
+    outcome = slot_outcome(result)
+    if not isinstance(outcome, UnusedSlot):
+        gate.check_stage(outcome, TrainingPlan.model_validate(plan).stages.gate)
     return result  # passed on as it is
 
 
 def collect_stage_results(*results: dict) -> list[dict]:
     """The stages that ran, in ladder order."""
-    return [r for r in results if not r.get("unused_slot")]
+    return [r for r in results if not isinstance(slot_outcome(r), UnusedSlot)]
