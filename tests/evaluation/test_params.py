@@ -22,6 +22,22 @@ def test_the_parameter_file_validates_and_keeps_its_values():
     assert params.business.ks == list(DEFAULT_KS) and evaluation_params(params) is params
 
 
+def _disagreements(yaml_values: dict, defaults: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in yaml_values.items():
+        if isinstance(value, dict) and isinstance(defaults.get(key), dict):
+            out += _disagreements(value, defaults[key], f"{prefix}{key}.")  # keys of a free dict: no default
+        elif key in defaults and value != defaults[key]:
+            out.append(f"{prefix}{key}: yaml {value!r}, library {defaults[key]!r}")
+    return out
+
+
+def test_the_parameter_file_does_not_disagree_with_the_library_defaults():
+    """Defaults are defined once: a key the YAML spells out has the value a missing key would get."""
+    values = yaml.safe_load((CONF / "parameters_evaluation.yml").read_text())["evaluation"]
+    assert _disagreements(values, EvaluationParams().model_dump()) == []
+
+
 @pytest.mark.parametrize(("values", "message"), [
     ({"sed": 1}, "invalid parameter evaluation.sed: Extra inputs are not permitted (got 1)"),
     ({"business": {"ks": [5, 0]}}, "invalid parameter evaluation.business.ks.1: Input should be greater than 0 (got 0)"),

@@ -45,7 +45,7 @@ class ScalingParams(_Strict):
 
 class EvaluationParams(_Strict):
     max_queries: PositiveInt | None = None  # score only the first N test queries
-    check_stage_queries: PositiveInt | None = None  # check stages on a seeded sample of this many (None: all)
+    check_stage_queries: PositiveInt | None = 1000  # check stages on a seeded sample of this many (None: all)
     scoring: ScoringParams = ScoringParams()
     score_cache: ScoreCacheParams = ScoreCacheParams()
     seed: int = 0
