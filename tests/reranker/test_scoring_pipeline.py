@@ -120,6 +120,7 @@ def test_preparing_processes_give_the_serial_scores_and_counts_and_leave_no_proc
         assert scorer.score_pairs(pairs) == expected
         assert scorer.collator.stats.as_dict() == {k: call * v for k, v in reference.collator.stats.as_dict().items()}
         assert not multiprocessing.active_children() and not psutil.Process().children()
+        assert not [t for t in threading.enumerate() if t.name.startswith("lychee-score")]
     assert scorer.collator.stats.truncated_pairs > 0
 
 
@@ -188,6 +189,7 @@ def test_an_error_in_a_preparing_process_reaches_the_caller_and_stops_the_proces
             with pytest.raises(BrokenImageError, match=name):
                 Reranker(reranker.model, batch_size=2, chunk_batches=2, **options).score_pairs(pairs)
         assert not multiprocessing.active_children() and not psutil.Process().children()
+        assert not [t for t in threading.enumerate() if t.name.startswith("lychee-score")]
 
 
 def test_large_jpegs_are_drafted_and_headers_give_the_loaded_size(jpegs):

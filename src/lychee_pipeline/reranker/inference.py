@@ -347,28 +347,36 @@ class Reranker:
                         measured = measuring(*bounds[k + 1])
                     yield [start + i for i in idx], encoded
 
+        def received(encoded) -> dict[str, Any]:
+            batch = encoded.result()
+            if on_gpu:  # page-locked, so the copy to the GPU is asynchronous
+                batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            return batch
+
+        # batches are taken from the processes (and pinned, a copy of the whole batch) in a thread of their own,
+        # as the DataLoader's pin-memory thread does, not in the thread that launches the kernels
+        receiving = ThreadPoolExecutor(1, thread_name_prefix="lychee-score-receive")
         jobs = submitted()
         pending: deque = deque()
         ahead = self.prefetch_batches + processes
-        try:
-            for job in jobs:
-                pending.append(job)
+
+        def top_up() -> None:
+            for positions, encoded in jobs:
+                pending.append((positions, receiving.submit(received, encoded)))
                 if len(pending) >= ahead:
                     break
+
+        try:
+            top_up()
             while pending:
-                positions, encoded = pending.popleft()
-                batch = encoded.result()
-                if on_gpu:  # page-locked, so the copy to the GPU is asynchronous
-                    batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-                yield positions, batch
-                # topped up once the caller has launched this batch, so waiting on a measuring never delays it
-                for job in jobs:
-                    pending.append(job)
-                    if len(pending) >= ahead:
-                        break
+                positions, batch = pending.popleft()
+                yield positions, batch.result()
+                top_up()  # once the caller has launched this batch, so waiting on a measuring never delays it
         finally:
+            receiving.shutdown(wait=False, cancel_futures=True)
             jobs.close()
-            pool.shutdown(wait=True, cancel_futures=True)
+            pool.shutdown(wait=True, cancel_futures=True)  # a receiving thread waiting on a batch gets it or
+            receiving.shutdown(wait=True)  # its cancellation, and ends
 
     def score_pairs(self, pairs: Sequence[Sequence[Any]], task_types: Sequence[str | None] | None = None) -> list[float]:
         """p(yes) for each ``(query, doc)`` or ``(query, doc, instruction)`` pair, in input order.
