@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..training.memory import cpus_available
-from .collate import DEFAULT_MAX_LENGTH, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PairCollator, TruncationStats
+from .collate import DEFAULT_MAX_LENGTH, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PairCollator
 from .model import LycheeReranker, ModelConfig, load_reranker, processing_of, read_metadata
 from .processing import ProcessingConfig
 from .prompt import instruction_for
@@ -89,7 +89,8 @@ class Reranker:
         self.model = model
         self.batch_size = int(batch_size)
         self.chunk_size = int(batch_size) * max(int(chunk_batches), 1)
-        # batches prepared ahead by the host thread (0: prepare each batch in the calling thread, no overlap)
+        # batches prepared ahead by the host thread (0: prepare each batch in the calling thread, no overlap;
+        # with preparing processes, this many ready plus one in the making per process)
         self.prefetch_batches = max(int(prefetch_batches), 0)
         # host threads preparing batches (auto: one). More threads contend for the GIL with the thread that
         # launches the model's kernels: on one H200 (7B, 800x800 JPEGs) 4 threads gave 0.87 of the GPU-only rate
