@@ -24,8 +24,7 @@ preparing ahead), ``core-serial`` (the same, host work in line: ``prefetch_batch
 same batches encoded beforehand and already on the device: forward + scores only) and the ``naive`` loop;
 targets: core >= 0.95 x gpu-only and >= 2.5 x naive. The core line also says when its first forward started
 (the device's idle time at the start), the first batch's size and the host phases summed over the preparing
-threads (not timed when worker processes prepare: ``--processes``, the core's ``prepare_processes``, auto: 2 on
-a GPU with >= 4 CPUs and >= 4 batches, else threads); ``--previous`` adds ``core-previous``: the core with one preparing thread and no first-batch split
+threads; ``--previous`` adds ``core-previous``: the core with one preparing thread and no first-batch split
 (the earlier host pipeline; scores read back the new way), on the same pairs in the same run.
 
     PYTHONPATH=src python benchmarks/inference.py --images jpeg800
@@ -267,9 +266,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-tokens", type=int, default=None, help="mean text tokens per pair")
     parser.add_argument("--jpeg-count", type=int, default=48, help="distinct JPEG files (cycled over documents)")
     parser.add_argument("--workers", default="auto", help="the core's prepare_workers (host threads; auto: 1)")
-    parser.add_argument("--processes", default="auto", help="the core's prepare_processes (worker processes "
-                                                            "preparing batches; 0: threads; auto: 2 on a GPU with "
-                                                            ">= 4 CPUs and >= 4 batches, else 0)")
     parser.add_argument("--first-batch", default="auto", help="the core's first_batch (pairs of a smaller first "
                                                                "batch; auto: batch/4 on a GPU, 0 on a CPU)")
     parser.add_argument("--previous", action="store_true", help="also time the core as it was before the pool and "
@@ -317,13 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     log(f"core set-up: fused kernels {kernels}, pairs packed (the library's defaults)")
 
     pipeline = {"prepare_workers": args.workers if args.workers == "auto" else int(args.workers),
-                "prepare_processes": args.processes if args.processes == "auto" else int(args.processes),
                 "first_batch": args.first_batch if args.first_batch == "auto" else int(args.first_batch)}
     variants = [("core-nofast", Reranker, args.batch_size, False, pipeline)] if args.attribute else []
     variants += [("core", Reranker, args.batch_size, True, pipeline)]
     if args.previous:
-        variants += [("core-previous", Reranker, args.batch_size, True, {"prepare_workers": 1, "first_batch": 0,
-                                                                                "prepare_processes": 0})]
+        variants += [("core-previous", Reranker, args.batch_size, True, {"prepare_workers": 1, "first_batch": 0})]
     for bs in [int(b) for b in args.overlap.split(",") if b.strip()]:
         variants.append((f"core-b{bs}", Reranker, bs, True, pipeline))
     scores = {}
@@ -344,8 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = {"pairs_per_s": len(pairs) / secs, "seconds": secs, "peak_gib": common.peak_gib(device),
                          "host_prepare_s": phases["prepare_s"], "host_decode_s": phases["decode_s"],
                          "host_encode_s": phases["encode_s"], "first_forward_after_s": first["t"] - began,
-                         "prepare_workers": scorer._workers(), "prepare_processes": scorer._processes(len(pairs)),
-                         "first_chunk": bounds[0][1] if bounds else 0,
+                         "prepare_workers": scorer._workers(), "first_chunk": bounds[0][1] if bounds else 0,
                          "batches": sum(-(-(e - s) // bs) for s, e in bounds),
                          "label": f"{cls.__name__}.score_pairs, batch {bs} length-sorted, last-position logits"
                                   + (", fast vision" if fast else ", stock vision"),
@@ -385,13 +378,9 @@ def main(argv: list[str] | None = None) -> int:
             extra = (f"  max |dp| {c['max_abs_prob_diff']:.2e}, max |dlogit| {c['max_abs_logit_diff']:.2e}, same ranking "
                      f"{c['queries_same_ranking']}/{c['queries']} queries, same top-1 {c['queries_same_top1']}/{c['queries']}")
         if "host_prepare_s" in r:
-            if r["prepare_processes"]:
-                extra += f"; host work in {r['prepare_processes']} worker process(es) (phases not timed); first "
-            else:
-                extra += (f"; host prepare {r['host_prepare_s']:.1f} s, image decode {r['host_decode_s']:.1f} s, "
-                          f"encode {r['host_encode_s']:.1f} s (summed over {r['prepare_workers']} thread(s), no "
-                          f"worker processes); first ")
-            extra += (f"forward after {r['first_forward_after_s']:.2f} s (first chunk {r['first_chunk']} pairs, "
+            extra += (f"; host prepare {r['host_prepare_s']:.1f} s, image decode {r['host_decode_s']:.1f} s, "
+                      f"encode {r['host_encode_s']:.1f} s (summed over {r['prepare_workers']} thread(s)); first "
+                      f"forward after {r['first_forward_after_s']:.2f} s (first chunk {r['first_chunk']} pairs, "
                       f"{r['batches']} batches)")
         if "discordant_doc_pairs" in r.get("vs_naive", {}):
             c = r["vs_naive"]

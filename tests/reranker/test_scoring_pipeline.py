@@ -1,13 +1,10 @@
-"""The scoring pipeline: host preparation in a thread (or worker processes) ahead of the model, same batches, same
-scores, same order; JPEGs far above the pixel budget decoded at reduced scale, with token counts known from the
-header."""
+"""The scoring pipeline: host preparation in a thread ahead of the model, same batches, same scores, same order;
+JPEGs far above the pixel budget decoded at reduced scale, with token counts known from the header."""
 
 from __future__ import annotations
 
-import multiprocessing
 import threading
 
-import psutil
 import pytest
 import torch
 from PIL import Image
@@ -106,31 +103,6 @@ def test_several_preparing_threads_give_the_serial_scores_and_counts(reranker, i
     assert scorer.collator.stats.truncated_pairs > 0 and len(scorer._clones) == 3
 
 
-def test_preparing_processes_give_the_serial_scores_and_counts_and_leave_no_process(reranker, images, jpegs):
-    """Two forked preparing processes (chunk measuring, image decoding, encoding): same batches, same scores bit
-    for bit, the truncation counts back on the scorer's collator; called twice; no child process left after."""
-    pairs = _pairs(images, jpegs)
-    settings = {"batch_size": 3, "chunk_batches": 2, "max_pixels": 12544, "max_length": 60}
-    scorer = Reranker(reranker.model, prepare_processes=2, **settings)
-    reference = Reranker(reranker.model, prefetch_batches=0, **settings)
-    expected = serial_scores(scorer, pairs)
-    assert reference.score_pairs(pairs) == expected
-    assert scorer._processes(len(pairs)) == 2
-    for call in (1, 2):
-        assert scorer.score_pairs(pairs) == expected
-        assert scorer.collator.stats.as_dict() == {k: call * v for k, v in reference.collator.stats.as_dict().items()}
-        assert not multiprocessing.active_children() and not psutil.Process().children()
-        assert not [t for t in threading.enumerate() if t.name.startswith("lychee-score")]
-    assert scorer.collator.stats.truncated_pairs > 0
-
-
-def test_preparing_processes_are_chosen_only_where_they_pay(reranker):
-    """auto: none on a CPU device (the model uses every core); none without prefetching; explicit counts kept."""
-    assert Reranker(reranker.model, batch_size=3)._processes(100) == 0
-    assert Reranker(reranker.model, batch_size=3, prepare_processes=3)._processes(100) == 3
-    assert Reranker(reranker.model, batch_size=3, prepare_processes=3, prefetch_batches=0)._processes(100) == 0
-
-
 def test_a_small_first_batch_starts_the_device_early_with_the_same_scores(reranker, images, jpegs):
     """``first_batch=2``: a first chunk of 2 pairs, then chunks of 1, 2 ... batches (up to chunk_size), each
     sorted; the scores are those of a serial loop over the same chunks, close to the unsplit ones."""
@@ -146,8 +118,6 @@ def test_a_small_first_batch_starts_the_device_early_with_the_same_scores(rerank
     for workers in (1, 3):
         split.prepare_workers = workers
         assert split.score_pairs(pairs) == expected
-    split.prepare_processes = 2
-    assert split.score_pairs(pairs) == expected
     unsplit = Reranker(reranker.model, batch_size=3, chunk_batches=2, max_pixels=12544).score_pairs(pairs)
     assert max(abs(a - b) for a, b in zip(expected, unsplit)) < 1e-4  # only the padding differs
 
@@ -177,19 +147,6 @@ def test_a_broken_image_stops_the_host_thread_and_reaches_the_caller(reranker, i
     with pytest.raises(BrokenImageError, match="broken.png"):  # the same with a pool of preparing threads
         Reranker(reranker.model, batch_size=2, chunk_batches=2, prepare_workers=2).score_pairs(pairs)
     assert not [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("lychee-score")]
-
-
-def test_an_error_in_a_preparing_process_reaches_the_caller_and_stops_the_processes(reranker, images):
-    """A truncated image fails while a process decodes its batch, a missing one while a process measures its
-    chunk: the caller gets the error the serial path gives, naming the file, and no process is left."""
-    good = [({"text": "q", "image": None}, {"text": f"doc {i}", "image": images["red"]}) for i in range(12)]
-    for name, bad in (("broken.png", images["broken"]), ("missing.png", images["broken"] + "/../missing.png")):
-        pairs = good + [({"text": "q", "image": None}, {"text": "bad", "image": bad})]
-        for options in ({"prefetch_batches": 0}, {"prepare_processes": 2}):
-            with pytest.raises(BrokenImageError, match=name):
-                Reranker(reranker.model, batch_size=2, chunk_batches=2, **options).score_pairs(pairs)
-        assert not multiprocessing.active_children() and not psutil.Process().children()
-        assert not [t for t in threading.enumerate() if t.name.startswith("lychee-score")]
 
 
 def test_large_jpegs_are_drafted_and_headers_give_the_loaded_size(jpegs):

@@ -37,10 +37,7 @@ class BrokenImageError(ValueError):
 
     def __init__(self, path: str, reason: str):
         super().__init__(f"cannot read image {path!r}: {reason}")
-        self.path, self.reason = path, reason
-
-    def __reduce__(self):  # rebuilt from both arguments when raised in a worker process and sent back
-        return type(self), (self.path, self.reason)
+        self.path = path
 
 
 @dataclass

@@ -2,8 +2,7 @@
 
 Pairs are measured in chunks (token counts from the text and the image headers), sorted by token length
 inside each chunk and batched, so batches carry little padding; results come back in input order. Host
-threads, or worker processes (``prepare_processes``: no GIL shared with the thread that launches the model's
-kernels), measure, decode, tokenize and encode the next batches (bounded) while the model runs on the
+threads measure, decode, tokenize and encode the next batches (bounded queue) while the model runs on the
 current one; on a GPU a small first batch starts the device early, and scores come back to the host with one
 wait at the end. Runs under ``torch.inference_mode``.
 """
@@ -12,18 +11,16 @@ from __future__ import annotations
 
 import copy
 import logging
-import multiprocessing
 import queue
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..training.memory import cpus_available
 from .collate import DEFAULT_MAX_LENGTH, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PairCollator
 from .model import LycheeReranker, ModelConfig, load_reranker, processing_of, read_metadata
 from .processing import ProcessingConfig
@@ -34,33 +31,6 @@ log = logging.getLogger(__name__)
 Item = Mapping[str, Any]
 
 IN_FLIGHT = 2  # batches launched on a GPU and not yet waited for
-AUTO_PROCESSES = 2  # preparing processes under prepare_processes="auto" (on CUDA, with enough CPUs and batches)
-AUTO_PROCESSES_MIN_CPUS = 4  # the launching thread, the preparing processes and a spare core
-AUTO_PROCESSES_MIN_BATCHES = 4  # below this, starting the processes costs more than they save
-
-_process_collator: PairCollator | None = None  # in a preparing process: its collator (see _start_preparing)
-
-
-def _start_preparing(collator: PairCollator) -> None:
-    """Set up a preparing process (forked from the scorer's): its collator, one intra-op thread, as the
-    DataLoader's workers do (several processes each with a full thread pool would oversubscribe the cores)."""
-    global _process_collator
-    torch.set_num_threads(1)
-    _process_collator = collator
-
-
-def _measure_in_process(pairs: list) -> tuple[list[tuple[str, list[Any], int]], dict[str, int]]:
-    """A slice of a chunk measured (images sized from their headers), with the truncation counts it added."""
-    before = _process_collator.stats.as_dict()
-    prepared = [_process_collator.prepare(p, decode=False, count=True) for p in pairs]
-    after = _process_collator.stats.as_dict()
-    return prepared, {k: after[k] - before[k] for k in after}
-
-
-def _encode_in_process(prepared: list[tuple[str, list[Any], int]]) -> dict[str, Any]:
-    """One batch decoded and encoded (no pinning here: page-locked memory needs CUDA, which a forked process
-    must not touch; the scorer pins on its side)."""
-    return _process_collator.encode([_process_collator.decode(p) for p in prepared])
 
 
 class Reranker:
@@ -82,25 +52,18 @@ class Reranker:
         prefetch_batches: int = 2,
         prepare_workers: int | str = "auto",
         first_batch: int | str = "auto",
-        prepare_processes: int | str = "auto",
     ):
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         self.model = model
         self.batch_size = int(batch_size)
         self.chunk_size = int(batch_size) * max(int(chunk_batches), 1)
-        # batches prepared ahead by the host thread (0: prepare each batch in the calling thread, no overlap;
-        # with preparing processes, this many ready plus one in the making per process)
+        # batches prepared ahead by the host thread (0: prepare each batch in the calling thread, no overlap)
         self.prefetch_batches = max(int(prefetch_batches), 0)
         # host threads preparing batches (auto: one). More threads contend for the GIL with the thread that
         # launches the model's kernels: on one H200 (7B, 800x800 JPEGs) 4 threads gave 0.87 of the GPU-only rate
         # and 2 gave 0.91, one 0.95 (docs/benchmarks.md, 2026-12-03). Each extra thread has its own processor copy
         self.prepare_workers = prepare_workers
-        # worker processes preparing batches instead of threads (0: threads). They share no GIL with the thread
-        # that launches the kernels (one H200, 7B, mixed-size JPEGs: one preparing thread reached only 0.85 of
-        # the GPU-only rate). auto: AUTO_PROCESSES on a CUDA device with AUTO_PROCESSES_MIN_CPUS CPUs or more
-        # and AUTO_PROCESSES_MIN_BATCHES batches or more to score; 0 on a CPU (the model uses every core there)
-        self.prepare_processes = prepare_processes
         # pairs of a first, smaller batch, so the device starts before a full batch is ready (auto: a quarter
         # batch on a GPU; 0 on a CPU, where the host and the model share the cores and nothing would overlap)
         self.first_batch = first_batch
@@ -161,17 +124,6 @@ class Reranker:
     def _workers(self) -> int:
         return 1 if self.prepare_workers == "auto" else max(int(self.prepare_workers), 1)
 
-    def _processes(self, n_pairs: int) -> int:
-        """Preparing processes for a call scoring ``n_pairs`` (0: threads, or in line with no prefetching)."""
-        if self.prefetch_batches == 0:
-            return 0
-        if self.prepare_processes != "auto":
-            return max(int(self.prepare_processes), 0)
-        if self.model.device.type != "cuda" or cpus_available() < AUTO_PROCESSES_MIN_CPUS:
-            return 0
-        batches = sum(-(-(end - start) // self.batch_size) for start, end in self.chunk_bounds(n_pairs))
-        return AUTO_PROCESSES if batches >= AUTO_PROCESSES_MIN_BATCHES else 0
-
     def _first_batch(self) -> int:
         if self.first_batch == "auto":
             return max(1, self.batch_size // 4) if self.model.device.type == "cuda" and self.batch_size > 1 else 0
@@ -227,10 +179,6 @@ class Reranker:
         pool whose threads each use their own collator; the next chunk is measured while this one is scored."""
         if self.prefetch_batches == 0:
             yield from self.batches(pairs)
-            return
-        processes = self._processes(len(pairs))
-        if processes:
-            yield from self._prepared_in_processes(pairs, processes)
             return
         workers = self._workers()
         ready: queue.Queue = queue.Queue(maxsize=self.prefetch_batches)
@@ -312,73 +260,6 @@ class Reranker:
                         setattr(self.collator.stats, key, getattr(self.collator.stats, key) + value)
                         setattr(clone.stats, key, 0)
 
-    def _prepared_in_processes(self, pairs: Sequence[Sequence[Any]], processes: int):
-        """The batches of :meth:`batches`, in the same order and composition, prepared by ``processes`` forked
-        worker processes: the measuring of each chunk (in slices) and the decoding and encoding of each batch,
-        in submission order (the next chunk's measuring right behind this chunk's first batch). At most
-        ``prefetch_batches + processes`` batches are submitted and not yet taken. The processes are started
-        for this call and stopped when it returns or raises; an error in one (a broken image ...) reaches the
-        caller as raised there. Batches are pinned here, on CUDA, for asynchronous copies."""
-        collator = PairCollator(self.model.processor, self.collator.max_length, self.collator.min_pixels,
-                                self.collator.max_pixels, self.collator.instructions)
-        # fork, as the training DataLoader's workers: the processor is inherited, not pickled, and a process
-        # starts in milliseconds; the children only run the host processing (never CUDA)
-        pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork"),
-                                   initializer=_start_preparing, initargs=(collator,))
-        on_gpu = self.model.device.type == "cuda"
-        bounds = self.chunk_bounds(len(pairs))
-
-        def measuring(start: int, end: int) -> list:
-            step = max(1, -(-(end - start) // (2 * processes)))  # two slices per process: even finish times
-            return [pool.submit(_measure_in_process, list(pairs[s : min(end, s + step)]))
-                    for s in range(start, end, step)]
-
-        def submitted():
-            measured = measuring(*bounds[0]) if bounds else []
-            for k, (start, _) in enumerate(bounds):
-                chunk = []
-                for part in measured:
-                    prepared, counts = part.result()
-                    chunk += prepared
-                    for key, value in counts.items():  # the counts belong to this scorer's collator
-                        setattr(self.collator.stats, key, getattr(self.collator.stats, key) + value)
-                for j, idx in enumerate(self._batch_order(chunk)):
-                    encoded = pool.submit(_encode_in_process, [chunk[i] for i in idx])
-                    if j == 0 and k + 1 < len(bounds):  # behind this chunk's first batch, not before it
-                        measured = measuring(*bounds[k + 1])
-                    yield [start + i for i in idx], encoded
-
-        def received(encoded) -> dict[str, Any]:
-            batch = encoded.result()
-            if on_gpu:  # page-locked, so the copy to the GPU is asynchronous
-                batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-            return batch
-
-        # batches are taken from the processes (and pinned, a copy of the whole batch) in a thread of their own,
-        # as the DataLoader's pin-memory thread does, not in the thread that launches the kernels
-        receiving = ThreadPoolExecutor(1, thread_name_prefix="lychee-score-receive")
-        jobs = submitted()
-        pending: deque = deque()
-        ahead = self.prefetch_batches + processes
-
-        def top_up() -> None:
-            for positions, encoded in jobs:
-                pending.append((positions, receiving.submit(received, encoded)))
-                if len(pending) >= ahead:
-                    break
-
-        try:
-            top_up()
-            while pending:
-                positions, batch = pending.popleft()
-                yield positions, batch.result()
-                top_up()  # once the caller has launched this batch, so waiting on a measuring never delays it
-        finally:
-            receiving.shutdown(wait=False, cancel_futures=True)
-            jobs.close()
-            pool.shutdown(wait=True, cancel_futures=True)  # a receiving thread waiting on a batch gets it or
-            receiving.shutdown(wait=True)  # its cancellation, and ends
-
     def score_pairs(self, pairs: Sequence[Sequence[Any]], task_types: Sequence[str | None] | None = None) -> list[float]:
         """p(yes) for each ``(query, doc)`` or ``(query, doc, instruction)`` pair, in input order.
 
@@ -386,9 +267,8 @@ class Reranker:
         gives every document of a record its record's ``task_type``; pass the records' task types to score as
         trained. Without one (or for None), the instruction follows the pair's own modalities.
 
-        Pairs are sorted by length within chunks (little padding). Host threads or worker processes
-        (``prepare_processes``) prepare the next batches (image decoding, tokenization, the processor) while
-        the model runs. On a GPU each batch's scores are
+        Pairs are sorted by length within chunks (little padding). Host threads prepare the next batches
+        (image decoding, tokenization, the processor) while the model runs. On a GPU each batch's scores are
         copied to page-locked host memory without waiting; the host waits only to stay at most
         ``IN_FLIGHT`` batches ahead of the device (its inputs hold device memory) and once at the end.
         """
