@@ -177,7 +177,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     # without CUDA the launcher sets ACCELERATE_USE_CPU: N CPU processes over gloo (as Accelerator does)
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
-    logging.basicConfig(level=logging.INFO, format=f"[rank {state.process_index}] %(asctime)s %(message)s")
+    # the launcher stamps each relayed line with its own time, as it does for the training ranks
+    logging.basicConfig(level=logging.INFO, format=f"[rank {state.process_index}] %(message)s")
+    if state.process_index > 0:  # every rank loads the same model: its set-up lines once (rank 0), not N times
+        logging.getLogger("lychee_pipeline.reranker").setLevel(logging.WARNING)
     import torch
 
     torch.manual_seed(0)
