@@ -30,6 +30,7 @@ from lychee_pipeline.reranker.losses import LossOptions, get_loss
 from lychee_pipeline.reranker.processing import ProcessingConfig
 from lychee_pipeline.tracking import StageTracker
 from lychee_pipeline.training import checkpoints, memory
+from lychee_pipeline.training.config import TrainingParams
 from lychee_pipeline.training.heartbeat import Heartbeat  # read by the launcher's watchdog (launch.py)
 from lychee_pipeline.training.sampling import EpochPermutation, Slot, SlotDataset, loss_scale
 from lychee_pipeline.training.schedule import Schedule
@@ -48,13 +49,13 @@ class StageCollate:
     batch, so the training loop never has to read them back from the device and no count is lost in a worker.
     """
 
-    def __init__(self, records, collator: GroupCollator, train: dict, steps_per_epoch: int, total_steps: int,
+    def __init__(self, records, collator: GroupCollator, train: TrainingParams, steps_per_epoch: int, total_steps: int,
                  num_processes: int, trace: bool):
         self.records, self.collator, self.trace, self.num_processes = records, collator, trace, num_processes
-        self.schedule = [(s["start"], s["max_pixels"]) for s in train["resolution_schedule"]]
-        self.max_pixels = train["max_pixels"]
+        self.schedule = [(s.start, s.max_pixels) for s in train.resolution_schedule]
+        self.max_pixels = train.max_pixels
         # micro-batches of the whole run (all ranks) per optimizer step: Accelerate deals batches round-robin
-        self.batches_per_step = train["per_device_batch_size"], num_processes * train["gradient_accumulation_steps"]
+        self.batches_per_step = train.per_device_batch_size, num_processes * train.gradient_accumulation_steps
         self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
 
     def step_of(self, epoch: int, position: int) -> int:
@@ -110,14 +111,14 @@ def fault_point(name: str) -> None:
         os._exit(0)
 
 
-def resolve_activation_checkpointing(model, collator: GroupCollator, records, train: dict, pairs_per_micro_batch: int,
-                                     sample: int = 64) -> memory.CheckpointChoice:
+def resolve_activation_checkpointing(model, collator: GroupCollator, records, train: TrainingParams,
+                                     pairs_per_micro_batch: int, sample: int = 64) -> memory.CheckpointChoice:
     """``model.activation_checkpointing: auto``: measure the longest pairs of a sample of records (the collator's
     own token count, at the largest pixel budget of the run) and pick the checkpointed layers from the budget."""
-    budgets = [train["max_pixels"]] + [s["max_pixels"] for s in train["resolution_schedule"]]
+    budgets = [train.max_pixels] + [s.max_pixels for s in train.resolution_schedule]
     saved = collator.pairs.max_pixels
     collator.set_max_pixels(max(budgets))
-    order = EpochPermutation(len(records), train["seed"])
+    order = EpochPermutation(len(records), train.seed)
     keys = [slot.record for slot in list(order)[: min(sample, len(records))]]
     lengths = []
     for i in keys:
@@ -130,7 +131,7 @@ def resolve_activation_checkpointing(model, collator: GroupCollator, records, tr
     text = getattr(hf.config, "text_config", hf.config)
     tokens = memory.longest_micro_batch_tokens(lengths, pairs_per_micro_batch, packed=bool(model.config.pack_pairs))
     return memory.choose_checkpoint_layers(tokens, int(text.hidden_size), len(decoder_layers(hf)),
-                                           memory.weights_bytes(model), float(train.get("memory_budget_gib", 40.0)))
+                                           memory.weights_bytes(model), train.memory_budget_gib)
 
 
 def injected_nan(step: int) -> bool:
@@ -153,16 +154,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--spec", required=True, type=Path)
     spec = StageSpec.read(parser.parse_args(argv).spec)  # an unknown or missing field: one error, before any work
-    train, out_dir = spec.training.model_dump(), Path(spec.output_dir)
+    train, out_dir = spec.training, Path(spec.output_dir)
 
     accelerator = Accelerator(
-        gradient_accumulation_steps=train["gradient_accumulation_steps"],
+        gradient_accumulation_steps=train.gradient_accumulation_steps,
         # batches come from pinned memory (on CUDA) and are copied while the previous step still runs
         dataloader_config=DataLoaderConfiguration(non_blocking=True),
         # Accelerate would step a prepared scheduler once per process per optimizer step (N times too fast on
         # N processes); we step it ourselves, exactly once per optimizer step of the run.
         step_scheduler_with_optimizer=False,
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=train["launch"]["process_group_timeout_s"]))],
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=train.launch.process_group_timeout_s))],
     )
     logging.basicConfig(
         level=logging.INFO if accelerator.is_main_process else logging.WARNING,
@@ -178,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     beat = Heartbeat(out_dir, accelerator.process_index, str(accelerator.distributed_type))  # launcher watchdog
     beat(0, "started")
     if accelerator.device.type == "cpu":
-        torch.set_num_threads(train["launch"]["threads_per_process"])
-    set_seed(train["seed"], device_specific=False)
+        torch.set_num_threads(train.launch.threads_per_process)
+    set_seed(train.seed, device_specific=False)
 
     # Model and data. Every rank reads the same memory-mapped Arrow file; the sampler shards it.
     # activation_checkpointing "auto" (QLoRA aside) is decided below, once the model's size and the data's
@@ -193,15 +194,15 @@ def main(argv: list[str] | None = None) -> int:
         records = datasets.Dataset.from_parquet(spec.data_path, cache_dir=str(out_dir / "hf_cache"))
     collator = GroupCollator(
         model.processor,
-        group_size=train["group_size"],
-        max_length=train["max_length"],
-        min_pixels=train["min_pixels"],
-        max_pixels=train["max_pixels"],
-        seed=train["seed"],
-        negative_fill=train.get("negative_fill", "refuse"),
-        fill_pool=records if train.get("negative_fill") == "fill_random" else None,  # rows of the same split
+        group_size=train.group_size,
+        max_length=train.max_length,
+        min_pixels=train.min_pixels,
+        max_pixels=train.max_pixels,
+        seed=train.seed,
+        negative_fill=train.negative_fill,
+        fill_pool=records if train.negative_fill == "fill_random" else None,  # rows of the same split
     )
-    pairs_per_micro_batch = train["group_size"] * train["per_device_batch_size"]
+    pairs_per_micro_batch = train.group_size * train.per_device_batch_size
     checkpoint_choice = None
     if auto_checkpointing and spec.model.finetune != "qlora":
         checkpoint_choice = resolve_activation_checkpointing(model, collator, records, train, pairs_per_micro_batch)
@@ -210,25 +211,25 @@ def main(argv: list[str] | None = None) -> int:
         apply_selective_checkpointing(model, layers=checkpoint_choice.layers)
         (log.info if checkpoint_choice.fits else log.warning)("%s", checkpoint_choice.describe())
     # Padded to whole global batches with zero-weight slots: every record once per epoch, on any N.
-    sampler = EpochPermutation(len(records), train["seed"], accelerator.num_processes * train["per_device_batch_size"])
+    sampler = EpochPermutation(len(records), train.seed, accelerator.num_processes * train.per_device_batch_size)
     trace_records = os.environ.get("LYCHEE_TRACE_RECORDS") == "1"  # tests: which records each step saw
     # a loss from a user's module is registered by now: reading the spec imported `training.loss_modules`
-    compute_loss, loss_options = get_loss(train["loss"]), LossOptions(train["group_size"], train["temperature"])
-    batches = len(sampler) // train["per_device_batch_size"]
-    steps_per_epoch = max(1, math.ceil(batches / accelerator.num_processes / train["gradient_accumulation_steps"]))
-    total_steps = train["max_steps"] or max(1, math.ceil(train["epochs"] * steps_per_epoch))
+    compute_loss, loss_options = get_loss(train.loss), LossOptions(train.group_size, train.temperature)
+    batches = len(sampler) // train.per_device_batch_size
+    steps_per_epoch = max(1, math.ceil(batches / accelerator.num_processes / train.gradient_accumulation_steps))
+    total_steps = train.max_steps or max(1, math.ceil(train.epochs * steps_per_epoch))
     collate = StageCollate(records, collator, train, steps_per_epoch, total_steps, accelerator.num_processes,
                            trace_records)
-    loader_kwargs = memory.resolve_dataloader(train.get("dataloader"), accelerator.device.type,
+    loader_kwargs = memory.resolve_dataloader(train.dataloader.model_dump(), accelerator.device.type,
                                               memory.cpus_available(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     log.info("data loader: %s", ", ".join(f"{k}={v}" for k, v in loader_kwargs.items()))
     loader = DataLoader(
         SlotDataset(len(sampler)),
-        batch_size=train["per_device_batch_size"],
+        batch_size=train.per_device_batch_size,
         sampler=sampler,
         # Its own generator: creating an iterator draws a seed, which must not move the global RNG
         # (dropout) or a resumed run would diverge from an uninterrupted one.
-        generator=torch.Generator().manual_seed(train["seed"]),
+        generator=torch.Generator().manual_seed(train.seed),
         collate_fn=collate,
         **loader_kwargs,
     )
@@ -236,17 +237,17 @@ def main(argv: list[str] | None = None) -> int:
     # Fused AdamW skips a step on the device when told the loss or gradient is not finite (`found_inf`, as
     # GradScaler does), so the loop need not read anything back from the GPU before stepping. DDP only: the
     # DeepSpeed / FSDP templates wrap the optimizer, and there the check stays on the host, every step.
-    device_skip = train["launch"].get("strategy", "ddp") == "ddp"
-    optimizer = torch.optim.AdamW(trainable, lr=train["learning_rate"], weight_decay=train["weight_decay"],
+    device_skip = train.launch.strategy == "ddp"
+    optimizer = torch.optim.AdamW(trainable, lr=train.learning_rate, weight_decay=train.weight_decay,
                                   **({"fused": True} if device_skip else {}))
-    schedule = Schedule.for_run(train["scheduler"], total_steps, train["warmup_ratio"], train["learning_rate"])
+    schedule = Schedule.for_run(train.scheduler, total_steps, train.warmup_ratio, train.learning_rate)
     scheduler = schedule.scheduler(optimizer)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
     # Resume from the newest intact checkpoint (a half-written or corrupted one is skipped, and said so).
     ckpt_root = out_dir / "checkpoints"
     step, losses, learning_rates, skipped_steps = 0, [], [], []
-    if train["resume"]:
+    if train.resume:
         found, state, skipped = checkpoints.find_resumable(ckpt_root)
         for note in skipped:
             log.warning("skipping checkpoint %s", note)
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             accelerator.load_state(str(found), load_kwargs={"weights_only": True})
             step, losses = state["step"], state["losses"]
             learning_rates, skipped_steps = state.get("learning_rates", []), state.get("skipped_steps", [])
-            rebase_learning_rate(optimizer, scheduler, train["learning_rate"])
+            rebase_learning_rate(optimizer, scheduler, train.learning_rate)
             log.info("resumed from %s at step %d (epoch %d), learning rate %.3e", found, step,
                      step // steps_per_epoch, scheduler.get_last_lr()[0])
 
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     tracker.log_params({"stage": spec.stage, "devices": accelerator.num_processes,
                         "model": dataclasses.asdict(spec.model), "training": train})
 
-    pairs_per_step = train["group_size"] * train["per_device_batch_size"] * train["gradient_accumulation_steps"]
+    pairs_per_step = train.group_size * train.per_device_batch_size * train.gradient_accumulation_steps
     pairs_per_step *= accelerator.num_processes
     nonfinite_in_a_row, traced = 0, []
     truncation = {k: 0 for k in collator.stats.as_dict()}  # summed from the batches (collated in any process)
@@ -302,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("step %d skipped: non-finite loss %s / gradient norm %s (%d in a row, %d in all)",
                         done, mean_loss, grad_norm, nonfinite_in_a_row, len(skipped_steps))
             tracker.log_metrics({"skipped_steps": len(skipped_steps)}, step=done)
-            if nonfinite_in_a_row >= train["max_nonfinite_steps"]:
+            if nonfinite_in_a_row >= train.max_nonfinite_steps:
                 newest = checkpoints.list_checkpoints(ckpt_root)
                 message = (
                     f"stage {spec.stage}: {nonfinite_in_a_row} non-finite steps in a row (steps "
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         # Through the prepared loader: Accelerate sets the sampler's epoch from its own counter on every
         # iteration, which would replay epoch 0's order after a resume.
         loader.set_epoch(epoch)
-        skip = (step - epoch * steps_per_epoch) * train["gradient_accumulation_steps"]
+        skip = (step - epoch * steps_per_epoch) * train.gradient_accumulation_steps
         epoch_loader = accelerator.skip_first_batches(loader, skip) if skip > 0 else loader
         for batch in timing.batches(epoch_loader):
             labels = batch.pop("labels")
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not accelerator.sync_gradients:
                     timing.micro_batch_issued()
                     continue
-                grad_norm = torch.as_tensor(accelerator.clip_grad_norm_(trainable, train["max_grad_norm"]),
+                grad_norm = torch.as_tensor(accelerator.clip_grad_norm_(trainable, train.max_grad_norm),
                                             device=accelerator.device).float()
                 mean_loss = accelerator.reduce(loss.detach().float(), reduction="mean")
                 figures = torch.stack([mean_loss, grad_norm.reshape(())])
@@ -363,8 +364,8 @@ def main(argv: list[str] | None = None) -> int:
             log_steps += 1
             learning_rates.append([step, scheduler.get_last_lr()[0]])
             pending.append((step, figures))
-            log_step = step % train["log_every"] == 0 or step == total_steps
-            checkpoint_step = step % train["checkpoint_every"] == 0 and step < total_steps
+            log_step = step % train.log_every == 0 or step == total_steps
+            checkpoint_step = step % train.checkpoint_every == 0 and step < total_steps
             if not (device_skip and not log_step and not checkpoint_step and step > 1):
                 blocked = time.perf_counter()
                 read_back()
@@ -404,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             if checkpoint_step and nonfinite_in_a_row == 0:
                 state = {"step": step, "losses": losses, "learning_rates": learning_rates,
                          "skipped_steps": skipped_steps}
-                save_checkpoint(accelerator, ckpt_root, step, state, train["keep_last"])
+                save_checkpoint(accelerator, ckpt_root, step, state, train.keep_last)
             beat_started = time.perf_counter()
             beat(step, "step", total=total_steps)  # also the launcher's progress bar (training/progress.py)
             timing.add_heartbeat(time.perf_counter() - beat_started)
@@ -427,8 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     if accelerator.is_main_process:
         adapter_dir = out_dir / "adapter"
         # Saved with the adapter: evaluation, the MLflow model and Reranker.from_pretrained score with these.
-        trained_with = ProcessingConfig(max_length=train["max_length"], min_pixels=train["min_pixels"],
-                                        max_pixels=max_pixels_at(1.0, collate.schedule, train["max_pixels"]))
+        trained_with = ProcessingConfig(max_length=train.max_length, min_pixels=train.min_pixels,
+                                        max_pixels=max_pixels_at(1.0, collate.schedule, train.max_pixels))
         accelerator.unwrap_model(model).save_pretrained(adapter_dir, processing=trained_with)
         # sha256 of every adapter file: a re-run reuses this stage only while they still match.
         checkpoints.write_folder_manifest(adapter_dir, out_dir / ADAPTER_MANIFEST)
@@ -439,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
             device_type=accelerator.device.type,
             steps=step,
             train_pairs=step * pairs_per_step,
-            full_train_pairs=len(records) * train["group_size"],  # one epoch over the training split
+            full_train_pairs=len(records) * train.group_size,  # one epoch over the training split
             wall_time_s=wall,
             pairs_per_s=(steps_timed * pairs_per_step / train_time) if steps_timed else step * pairs_per_step / wall,
             peak_mem_gib=peak.tolist(),
