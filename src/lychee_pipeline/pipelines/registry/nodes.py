@@ -9,7 +9,12 @@ from typing import Any
 import pandas as pd
 
 from lychee_pipeline import registry
+from lychee_pipeline.evaluation.params import EvaluationParams, evaluation_params
 from lychee_pipeline.pipelines.evaluation.nodes import BASE, candidate_table, score_candidates
+from lychee_pipeline.reranker.model import ModelConfig
+from lychee_pipeline.training.config import TrainingParams
+from lychee_pipeline.training.planning import validated
+from lychee_pipeline.training.stage import StageResult, as_stage_results
 
 log = logging.getLogger(__name__)
 
@@ -27,20 +32,21 @@ def serving_config(raw_source: Mapping[str, Any], evaluation: Mapping[str, Any],
     from lychee_pipeline.pipelines.data_ingestion.nodes import image_roots_of
 
     roots = image_roots_of((serving or {}).get("image_roots")) or list(raw_source.get("image_roots") or [])
+    evaluation = evaluation_params(evaluation)
     return {
-        "reranker": dict(evaluation.get("reranker") or {}),
-        "instructions": evaluation.get("instructions") or None,
+        "reranker": dict(evaluation.reranker),
+        "instructions": evaluation.instructions or None,
         "image_roots": roots,
     }
 
 
-def processing_settings(training: Mapping[str, Any], evaluation: Mapping[str, Any],
+def processing_settings(training: TrainingParams, evaluation: EvaluationParams,
                         data_processing: Mapping[str, Any]) -> dict[str, Any]:
     """Training's pair processing, the scoring options and the split settings (which test split)."""
     return {
-        "training": {k: training.get(k) for k in PROCESSING_KEYS if k in training},
-        "scoring": {k: v for k, v in (evaluation.get("reranker") or {}).items()},
-        "instructions": evaluation.get("instructions"),
+        "training": training.model_dump(include=set(PROCESSING_KEYS)),
+        "scoring": dict(evaluation.reranker),
+        "instructions": evaluation.instructions,
         "split": dict(data_processing.get("split") or {}),
     }
 
@@ -70,8 +76,10 @@ def register_final_model(
         outcome = {"status": "skipped", "name": name, "reason": reason}
     else:
         try:
-            outcome = _register(test_records, test_scores, stage_results, mlflow_logging, model, data_counts,
-                                evaluation_mlflow_metrics, evaluation, training, data_processing, params, name)
+            outcome = _register(test_records, test_scores, as_stage_results(stage_results), mlflow_logging,
+                                validated(ModelConfig, "model", dict(model)), data_counts, evaluation_mlflow_metrics,
+                                evaluation_params(evaluation), validated(TrainingParams, "training", dict(training)),
+                                data_processing, params, name)
         except Exception as exc:  # noqa: BLE001 - the run's outputs are saved; the summary says what failed
             log.error("model registry step failed: %s: %s", type(exc).__name__, exc)
             outcome = {"status": "failed", "name": name, "reason": f"{type(exc).__name__}: {exc}"}
@@ -80,16 +88,17 @@ def register_final_model(
     return outcome, registry.render_report(outcome)
 
 
-def _register(test_records, test_scores, stage_results, mlflow_logging, model, data_counts, evaluation_mlflow_metrics,
-              evaluation, training, data_processing, params, name) -> dict[str, Any]:
+def _register(test_records, test_scores, stage_results: list[StageResult], mlflow_logging, model: ModelConfig,
+              data_counts, evaluation_mlflow_metrics, evaluation: EvaluationParams, training: TrainingParams,
+              data_processing, params, name) -> dict[str, Any]:
     import mlflow
 
-    final = str(stage_results[-1]["stage"])
+    final = stage_results[-1].stage
     new_scores = test_scores[test_scores["model"] == final].drop(columns="model")
     base_scores = test_scores[test_scores["model"] == BASE].drop(columns="model")
     if new_scores.empty:
         raise ValueError(f"test_scores hold no scores of the final stage {final!r}")
-    seed = int(evaluation.get("seed", 0))
+    seed = evaluation.seed
     query_ids = set(new_scores["query_id"].astype(str))
 
     def score_reference(uri: str) -> pd.DataFrame:
@@ -102,15 +111,14 @@ def _register(test_records, test_scores, stage_results, mlflow_logging, model, d
     run_id = active.info.run_id if active is not None else None
     tags = registry.version_tags(
         evaluation_mlflow_metrics, data_counts, processing_settings(training, evaluation, data_processing),
-        {"run_id": run_id, "stage": final, "base_model": model.get("name_or_path"), "finetune": model.get("finetune"),
+        {"run_id": run_id, "stage": final, "base_model": model.name_or_path, "finetune": model.finetune,
          "logged_model_uri": mlflow_logging["model_uri"]},
     )
-    sig = evaluation.get("significance") or {}
     outcome = registry.register_and_gate(
         model_uri=mlflow_logging["model_uri"], name=name, new_scores=new_scores, base_scores=base_scores,
         score_reference=score_reference, tags=tags, gate=params.get("gate"),
         alias=str(params.get("alias") or "champion"), seed=seed,
-        n_resamples=int(sig.get("n_resamples", 10_000)), confidence_level=float(sig.get("confidence_level", 0.95)),
+        n_resamples=evaluation.significance.n_resamples, confidence_level=evaluation.significance.confidence_level,
         run_id=run_id,
     )
     if active is not None:
