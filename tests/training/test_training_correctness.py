@@ -32,13 +32,6 @@ def cosine_lr(step: int, total: int, warmup: int, base: float) -> float:
     return base * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
 
 
-@pytest.fixture
-def traced(monkeypatch):
-    for name in ("LYCHEE_FAULT", "LYCHEE_FAULT_RANK", "MLFLOW_TRACKING_URI"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("LYCHEE_TRACE_RECORDS", "1")
-
-
 @pytest.mark.parametrize(
     "processes, accumulation, total_steps",
     [(1, 1, 24), (2, 1, 12), (2, 2, 6)],  # one epoch of 24 records by default (max_steps null)
