@@ -33,14 +33,16 @@ def traced(monkeypatch):
 
 @pytest.fixture(scope="session")
 def uninterrupted_reference(tmp_path_factory, large_image_table) -> dict:
-    """The result of worker_plan(**RESUME) run to the end on 1 process without workers, traced: what a stage
-    killed and resumed on that plan must reproduce (shared by the resume tests of test_stage_processes.py and
-    test_dataloader_workers.py, one launch for both)."""
+    """{"plan", "result"}: worker_plan(**RESUME) run to the end on 1 process without workers, traced. What a stage
+    killed and resumed on that plan must reproduce (the resume tests of test_stage_processes.py and
+    test_dataloader_workers.py), and the finished stage the gate test alters: one launch for the three.
+    Shared: a test that changes the result changes a copy."""
     from lychee_pipeline.pipelines.training.nodes import run_training_stage
 
     tmp = tmp_path_factory.mktemp("uninterrupted_reference")
+    plan = worker_plan(tmp, workers=0, **RESUME)
     with pytest.MonkeyPatch.context() as mp:
         for name in STAGE_ENV:
             mp.delenv(name, raising=False)
         mp.setenv("LYCHEE_TRACE_RECORDS", "1")
-        return run_training_stage(large_image_table, worker_plan(tmp, workers=0, **RESUME), devices=1, final=True)
+        return {"plan": plan, "result": run_training_stage(large_image_table, plan, devices=1, final=True)}

@@ -60,7 +60,7 @@ def test_a_resumed_run_with_workers_equals_an_uninterrupted_one(tmp_path, large_
                                                                 uninterrupted_reference):
     """Killed after step 5 (checkpoint 4) with 2 workers, resumed with 2 workers: the run without workers."""
     kwargs = RESUME  # max_steps=8, checkpoint_every=4, log_every=3
-    reference = uninterrupted_reference  # worker_plan(workers=0, **RESUME), 1 process, run once per session
+    reference = uninterrupted_reference["result"]  # worker_plan(workers=0, **RESUME), 1 process, run once per session
     monkeypatch.setenv("LYCHEE_FAULT", "after_step_5")
     with pytest.raises(StageFailed, match="exited with code"):
         run_training_stage(large_image_table, worker_plan(tmp_path / "killed", workers=2, **kwargs), devices=1,

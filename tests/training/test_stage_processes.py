@@ -30,7 +30,7 @@ def test_two_cpu_processes_stay_in_sync(tmp_path, training_table_path):
 def test_resume_after_kill_matches_uninterrupted_run(tmp_path, large_image_table, traced, monkeypatch,
                                                      uninterrupted_reference):
     # The plan and its uninterrupted run are shared with test_dataloader_workers.py's resume test (one launch).
-    reference = uninterrupted_reference  # worker_plan(workers=0, **RESUME): 8 steps, checkpoint every 4
+    reference = uninterrupted_reference["result"]  # worker_plan(workers=0, **RESUME): 8 steps, checkpoint every 4
 
     monkeypatch.setenv("LYCHEE_FAULT", "after_step_5")  # SIGKILL after step 5; checkpoint-4 exists
     with pytest.raises(StageFailed, match=r"exited with code .*Full log: .*launch.log"):

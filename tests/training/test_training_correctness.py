@@ -7,6 +7,7 @@ non-finite step never reaches the weights and a run of them stops the stage nami
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -67,9 +68,9 @@ def test_three_processes_see_every_record_once_per_epoch_with_an_uneven_split(tm
     check_stage(result, plan)
 
 
-def test_gate_refuses_a_schedule_that_did_not_end_where_planned(tmp_path, training_table_path, traced):
-    plan = _plan(tmp_path, max_steps=4, warmup_ratio=0.0)
-    result = run_training_stage(training_table_path, plan, devices=1, final=True)
+def test_gate_refuses_a_schedule_that_did_not_end_where_planned(uninterrupted_reference):
+    # Any finished stage will do: the session's uninterrupted reference (cosine to zero over 8 steps), a copy.
+    plan, result = uninterrupted_reference["plan"], copy.deepcopy(uninterrupted_reference["result"])
     result["learning_rates"][-1][1] = 5e-4  # as if the scheduler had been stepped the wrong number of times
     with pytest.raises(StageGateError, match="'learning-rate schedule' failed .* final learning rate 5.000e-04"):
         check_stage(result, plan)
