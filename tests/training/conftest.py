@@ -1,10 +1,10 @@
-"""A small learnable model-input table (contract schema) with real PNG images, for training tests; and the
-uninterrupted stage run that the resume tests compare against, run once per session."""
+"""A small learnable model-input table (contract schema) with real PNG images, for training tests; and the stage
+runs that tests of several files read, each launched once per session."""
 
 from __future__ import annotations
 
 import pytest
-from worker_stages import RESUME, worker_plan, write_large_image_table
+from stage_plans import RESUME, epoch_plan, worker_plan, write_large_image_table
 
 from lychee_pipeline.training.synthetic import write_colour_item_table
 
@@ -19,7 +19,7 @@ def training_table_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def large_image_table(tmp_path_factory) -> str:
-    """The colour/item table with 168x168 images (worker_stages.write_large_image_table)."""
+    """The colour/item table with 168x168 images (stage_plans.write_large_image_table)."""
     return write_large_image_table(tmp_path_factory.mktemp("worker_data"))
 
 
@@ -46,3 +46,18 @@ def uninterrupted_reference(tmp_path_factory, large_image_table) -> dict:
             mp.delenv(name, raising=False)
         mp.setenv("LYCHEE_TRACE_RECORDS", "1")
         return {"plan": plan, "result": run_training_stage(large_image_table, plan, devices=1, final=True)}
+
+
+@pytest.fixture(scope="session")
+def two_process_epoch(tmp_path_factory, training_table_path) -> dict:
+    """{"plan", "result"}: epoch_plan(gpus=2) on the training table, 2 CPU processes, traced (12 steps). Read by
+    test_stage_processes.py (the replicas stay in sync) and by the 2-process case of
+    test_training_correctness.py's learning-rate test: one launch for both."""
+    from lychee_pipeline.pipelines.training.nodes import run_training_stage
+
+    plan = epoch_plan(tmp_path_factory.mktemp("two_process_epoch"), gpus=2)
+    with pytest.MonkeyPatch.context() as mp:
+        for name in STAGE_ENV:
+            mp.delenv(name, raising=False)
+        mp.setenv("LYCHEE_TRACE_RECORDS", "1")
+        return {"plan": plan, "result": run_training_stage(training_table_path, plan, devices=2, final=True)}

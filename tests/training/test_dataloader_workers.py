@@ -8,7 +8,7 @@ training process would have built; losses are read back from the device only on 
 from __future__ import annotations
 
 import pytest
-from worker_stages import RESUME, worker_plan
+from stage_plans import RESUME, worker_plan
 
 from lychee_pipeline.pipelines.training.nodes import check_stage, run_training_stage
 from lychee_pipeline.training.launch import StageFailed

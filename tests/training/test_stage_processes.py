@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from worker_stages import RESUME, worker_plan
+from stage_plans import RESUME, worker_plan
 
 from lychee_pipeline.pipelines.training.nodes import StageGateError, check_stage, plan_training, run_training_stage
 from lychee_pipeline.training.launch import StageFailed
@@ -17,11 +17,11 @@ def _plan(tmp_path, gpus=1, **training):
                          gpus, "cpu", {"name": "t", "output_root": str(tmp_path)})
 
 
-def test_two_cpu_processes_stay_in_sync(tmp_path, training_table_path):
-    plan = _plan(tmp_path, gpus=2)
-    result = run_training_stage(training_table_path, plan, devices=2, final=True)
+def test_two_cpu_processes_stay_in_sync(two_process_epoch):
+    # One epoch of the 24-record table on 2 processes; the run is shared with test_training_correctness.py.
+    plan, result = two_process_epoch["plan"], two_process_epoch["result"]
     assert result["devices"] == 2 and result["device_type"] == "cpu"
-    assert result["steps"] == 6 and result["train_pairs"] == 48  # 6 steps x 2 processes x 1 group of 4 pairs
+    assert result["steps"] == 12 and result["train_pairs"] == 96  # 12 steps x 2 processes x 1 group of 4 pairs
     assert result["replica_max_diff"] == 0.0  # gradients all-reduced: identical replicas
     assert len(result["peak_mem_gib"]) == 2
     check_stage(result, plan)

@@ -1,5 +1,6 @@
-"""Helpers of the training tests: the colour/item table with larger images, and the plan of the stage tests that
-collate in DataLoader workers and resume (test_dataloader_workers.py, test_stage_processes.py)."""
+"""Helpers of the training tests: the CPU plans of their stages (builtin:tiny, LoRA r=8, 4 pairs per group) and the
+colour/item table with larger images. One module, so that tests of several files can share a stage run
+(tests/training/conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from PIL import Image
 from lychee_pipeline.pipelines.training.nodes import plan_training
 from lychee_pipeline.training.synthetic import COLOURS, write_colour_item_table
 
-RECORDS = 24  # rows of write_colour_item_table
+RECORDS = 24  # rows of write_colour_item_table (the training_table_path and large_image_table fixtures)
 
 # One 1-process stage killed after step 5 resumes from checkpoint-4; the uninterrupted run of this plan is the
 # reference both resume tests compare against (tests/training/conftest.py::uninterrupted_reference).
@@ -34,6 +35,15 @@ def worker_plan(tmp_path, gpus=1, workers=0, **training):
                 max_length=512, min_pixels=784, max_pixels=12544, checkpoint_every=100, keep_last=3, seed=5,
                 resolution_schedule=[{"start": 0.0, "max_pixels": 3136}, {"start": 0.5, "max_pixels": 12544}],
                 dataloader={"num_workers": workers, "prefetch_factor": 2, "persistent_workers": True})
+    base.update(training)
+    return plan_training({"name_or_path": "builtin:tiny", "lora": {"r": 8}}, base, {}, gpus, "cpu",
+                         {"name": "t", "output_root": str(tmp_path)})
+
+
+def epoch_plan(tmp_path, gpus=1, **training):
+    """A CPU plan of one epoch (max_steps null), cosine with a quarter of warm-up, seed 3."""
+    base = dict(group_size=4, learning_rate=1e-3, warmup_ratio=0.25, scheduler="cosine", max_steps=None, epochs=1,
+                max_length=512, max_pixels=12544, checkpoint_every=100, keep_last=3, seed=3)
     base.update(training)
     return plan_training({"name_or_path": "builtin:tiny", "lora": {"r": 8}}, base, {}, gpus, "cpu",
                          {"name": "t", "output_root": str(tmp_path)})
