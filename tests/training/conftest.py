@@ -4,7 +4,7 @@ runs that tests of several files read, each launched once per session."""
 from __future__ import annotations
 
 import pytest
-from stage_plans import RESUME, epoch_plan, worker_plan, write_large_image_table
+from stage_plans import ACCUMULATION, RESUME, epoch_plan, worker_plan, write_large_image_table
 
 from lychee_pipeline.training.synthetic import write_colour_item_table
 
@@ -31,33 +31,42 @@ def traced(monkeypatch):
     monkeypatch.setenv("LYCHEE_TRACE_RECORDS", "1")
 
 
-@pytest.fixture(scope="session")
-def uninterrupted_reference(tmp_path_factory, large_image_table) -> dict:
-    """{"plan", "result"}: worker_plan(**RESUME) run to the end on 1 process without workers, traced. What a stage
-    killed and resumed on that plan must reproduce (the resume tests of test_stage_processes.py and
-    test_dataloader_workers.py), and the finished stage the gate test alters: one launch for the three.
-    Shared: a test that changes the result changes a copy."""
+def _traced_run(table: str, plan: dict, devices: int) -> dict:
+    """{"plan", "result"}: the stage of `plan` run to the end with the `traced` environment (a session fixture
+    cannot use the function-scoped one)."""
     from lychee_pipeline.pipelines.training.nodes import run_training_stage
 
-    tmp = tmp_path_factory.mktemp("uninterrupted_reference")
-    plan = worker_plan(tmp, workers=0, **RESUME)
     with pytest.MonkeyPatch.context() as mp:
         for name in STAGE_ENV:
             mp.delenv(name, raising=False)
         mp.setenv("LYCHEE_TRACE_RECORDS", "1")
-        return {"plan": plan, "result": run_training_stage(large_image_table, plan, devices=1, final=True)}
+        return {"plan": plan, "result": run_training_stage(table, plan, devices=devices, final=True)}
+
+
+# Stage runs that tests of several files read, each launched once per session. A test that changes a result
+# changes a copy.
+
+@pytest.fixture(scope="session")
+def uninterrupted_reference(tmp_path_factory, large_image_table) -> dict:
+    """worker_plan(**RESUME) on 1 process without workers: what a stage killed and resumed on that plan must
+    reproduce (the resume tests of test_stage_processes.py and test_dataloader_workers.py), and the finished
+    stage the gate test of test_training_correctness.py alters."""
+    plan = worker_plan(tmp_path_factory.mktemp("uninterrupted_reference"), workers=0, **RESUME)
+    return _traced_run(large_image_table, plan, devices=1)
 
 
 @pytest.fixture(scope="session")
 def two_process_epoch(tmp_path_factory, training_table_path) -> dict:
-    """{"plan", "result"}: epoch_plan(gpus=2) on the training table, 2 CPU processes, traced (12 steps). Read by
-    test_stage_processes.py (the replicas stay in sync) and by the 2-process case of
-    test_training_correctness.py's learning-rate test: one launch for both."""
-    from lychee_pipeline.pipelines.training.nodes import run_training_stage
-
+    """epoch_plan(gpus=2) on the training table: 12 steps on 2 CPU processes. Read by test_stage_processes.py
+    (the replicas stay in sync) and the 2-process case of test_training_correctness.py's learning-rate test."""
     plan = epoch_plan(tmp_path_factory.mktemp("two_process_epoch"), gpus=2)
-    with pytest.MonkeyPatch.context() as mp:
-        for name in STAGE_ENV:
-            mp.delenv(name, raising=False)
-        mp.setenv("LYCHEE_TRACE_RECORDS", "1")
-        return {"plan": plan, "result": run_training_stage(training_table_path, plan, devices=2, final=True)}
+    return _traced_run(training_table_path, plan, devices=2)
+
+
+@pytest.fixture(scope="session")
+def two_process_accumulation(tmp_path_factory, large_image_table) -> dict:
+    """worker_plan(**ACCUMULATION) without workers: one epoch in 6 optimizer steps of 2 micro-batches on 2 CPU
+    processes, with the resolution ramp. The in-process collation test_dataloader_workers.py compares its
+    workers against, and the accumulation case of test_training_correctness.py's learning-rate test."""
+    plan = worker_plan(tmp_path_factory.mktemp("two_process_accumulation"), workers=0, **ACCUMULATION)
+    return _traced_run(large_image_table, plan, devices=2)

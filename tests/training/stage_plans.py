@@ -16,6 +16,8 @@ RECORDS = 24  # rows of write_colour_item_table (the training_table_path and lar
 # One 1-process stage killed after step 5 resumes from checkpoint-4; the uninterrupted run of this plan is the
 # reference both resume tests compare against (tests/training/conftest.py::uninterrupted_reference).
 RESUME = dict(max_steps=8, checkpoint_every=4, log_every=3)
+# 2 processes, accumulation 2: one epoch of the 24 records in 6 optimizer steps (conftest.py::two_process_accumulation).
+ACCUMULATION = dict(gpus=2, gradient_accumulation_steps=2, max_steps=6)
 
 
 def write_large_image_table(root: Path) -> str:

@@ -8,7 +8,7 @@ training process would have built; losses are read back from the device only on 
 from __future__ import annotations
 
 import pytest
-from stage_plans import RESUME, worker_plan
+from stage_plans import ACCUMULATION, RESUME, worker_plan
 
 from lychee_pipeline.pipelines.training.nodes import check_stage, run_training_stage
 from lychee_pipeline.training.launch import StageFailed
@@ -20,11 +20,11 @@ def _losses(result):
     return [x for _, x in result["losses"]]
 
 
-def test_two_workers_give_the_losses_of_in_process_collation_on_two_processes(tmp_path, large_image_table, traced):
+def test_two_workers_give_the_losses_of_in_process_collation_on_two_processes(tmp_path, large_image_table, traced,
+                                                                             two_process_accumulation):
     """2 gloo processes, accumulation 2, a resolution ramp at half-way; logging every 4th step only."""
-    kwargs = dict(gpus=2, gradient_accumulation_steps=2, max_steps=6)
-    inline = run_training_stage(large_image_table, worker_plan(tmp_path / "w0", workers=0, **kwargs), devices=2,
-                                final=True)
+    kwargs = ACCUMULATION  # gpus=2, gradient_accumulation_steps=2, max_steps=6
+    inline = two_process_accumulation["result"]  # worker_plan(workers=0, **ACCUMULATION), run once per session
     workers = run_training_stage(large_image_table, worker_plan(tmp_path / "w2", workers=2, log_every=4, **kwargs),
                                  devices=2, final=True)
     assert inline["dataloader"] == {"num_workers": 0, "pin_memory": False}

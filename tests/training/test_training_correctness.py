@@ -26,13 +26,13 @@ def cosine_lr(step: int, total: int, warmup: int, base: float) -> float:
 
 @pytest.mark.parametrize(
     "processes, accumulation, total_steps",
-    [(1, 1, 24), (2, 1, 12), (2, 2, 6)],  # one epoch of 24 records by default (max_steps null)
+    [(1, 1, 24), (2, 1, 12), (2, 2, 6)],  # one epoch of the 24 records (the 2-process runs: conftest.py)
 )
 def test_learning_rate_follows_the_schedule_on_n_processes(tmp_path, training_table_path, traced, processes,
                                                            accumulation, total_steps, request):
-    if (processes, accumulation) == (2, 1):  # this run is the session's two_process_epoch (conftest.py), shared
-        shared = request.getfixturevalue("two_process_epoch")
-        plan, result = shared["plan"], shared["result"]
+    shared = {(2, 1): "two_process_epoch", (2, 2): "two_process_accumulation"}.get((processes, accumulation))
+    if shared:  # a stage run of the session that other tests read too (conftest.py)
+        plan, result = request.getfixturevalue(shared)["plan"], request.getfixturevalue(shared)["result"]
     else:
         plan = epoch_plan(tmp_path, gpus=processes, gradient_accumulation_steps=accumulation)
         result = run_training_stage(training_table_path, plan, devices=processes, final=True)
