@@ -32,7 +32,8 @@ def test_learning_rate_follows_the_schedule_on_n_processes(tmp_path, training_ta
                                                            accumulation, total_steps, request):
     shared = {(2, 1): "two_process_epoch", (2, 2): "two_process_accumulation"}.get((processes, accumulation))
     if shared:  # a stage run of the session that other tests read too (conftest.py)
-        plan, result = request.getfixturevalue(shared)["plan"], request.getfixturevalue(shared)["result"]
+        run = request.getfixturevalue(shared)
+        plan, result = run["plan"], run["result"]
     else:
         plan = epoch_plan(tmp_path, gpus=processes, gradient_accumulation_steps=accumulation)
         result = run_training_stage(training_table_path, plan, devices=processes, final=True)
