@@ -8,54 +8,24 @@ training process would have built; losses are read back from the device only on 
 from __future__ import annotations
 
 import pytest
-from PIL import Image
+from stage_plans import ACCUMULATION, RESUME, worker_plan
 
-from lychee_pipeline.pipelines.training.nodes import check_stage, plan_training, run_training_stage
+from lychee_pipeline.pipelines.training.nodes import check_stage, run_training_stage
 from lychee_pipeline.training.launch import StageFailed
-from lychee_pipeline.training.synthetic import COLOURS, write_colour_item_table
 
-RECORDS = 24
-
-
-@pytest.fixture(scope="module")
-def large_image_table(tmp_path_factory) -> str:
-    """The colour/item table with 168x168 images, so a pixel budget of 56x56 vs 112x112 matters."""
-    root = tmp_path_factory.mktemp("worker_data")
-    path = write_colour_item_table(root)
-    for colour, rgb in COLOURS.items():  # same paths, larger images with some structure
-        image = Image.new("RGB", (168, 168), rgb)
-        for x in range(0, 168, 24):
-            image.paste((255 - rgb[0], 255 - rgb[1], 255 - rgb[2]), (x, 0, x + 8, 168))
-        image.save(root / f"{colour}.png")
-    return str(path)
-
-
-@pytest.fixture
-def traced(monkeypatch):
-    for name in ("LYCHEE_FAULT", "LYCHEE_FAULT_RANK", "MLFLOW_TRACKING_URI"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("LYCHEE_TRACE_RECORDS", "1")
-
-
-def _plan(tmp_path, gpus=1, workers=0, **training):
-    base = dict(group_size=4, learning_rate=1e-3, warmup_ratio=0.25, scheduler="cosine", max_steps=None, epochs=1,
-                max_length=512, min_pixels=784, max_pixels=12544, checkpoint_every=100, keep_last=3, seed=5,
-                resolution_schedule=[{"start": 0.0, "max_pixels": 3136}, {"start": 0.5, "max_pixels": 12544}],
-                dataloader={"num_workers": workers, "prefetch_factor": 2, "persistent_workers": True})
-    base.update(training)
-    return plan_training({"name_or_path": "builtin:tiny", "lora": {"r": 8}}, base, {}, gpus, "cpu",
-                         {"name": "t", "output_root": str(tmp_path)})
+# large_image_table, traced: tests/training/conftest.py
 
 
 def _losses(result):
     return [x for _, x in result["losses"]]
 
 
-def test_two_workers_give_the_losses_of_in_process_collation_on_two_processes(tmp_path, large_image_table, traced):
+def test_two_workers_give_the_losses_of_in_process_collation_on_two_processes(tmp_path, large_image_table, traced,
+                                                                             two_process_accumulation):
     """2 gloo processes, accumulation 2, a resolution ramp at half-way; logging every 4th step only."""
-    kwargs = dict(gpus=2, gradient_accumulation_steps=2, max_steps=6)
-    inline = run_training_stage(large_image_table, _plan(tmp_path / "w0", workers=0, **kwargs), devices=2, final=True)
-    workers = run_training_stage(large_image_table, _plan(tmp_path / "w2", workers=2, log_every=4, **kwargs),
+    kwargs = ACCUMULATION  # gpus=2, gradient_accumulation_steps=2, max_steps=6
+    inline = two_process_accumulation["result"]  # worker_plan(workers=0, **ACCUMULATION), run once per session
+    workers = run_training_stage(large_image_table, worker_plan(tmp_path / "w2", workers=2, log_every=4, **kwargs),
                                  devices=2, final=True)
     assert inline["dataloader"] == {"num_workers": 0, "pin_memory": False}
     assert workers["dataloader"]["num_workers"] == 2 and workers["dataloader"]["persistent_workers"] is True
@@ -72,28 +42,31 @@ def test_two_workers_give_the_losses_of_in_process_collation_on_two_processes(tm
     assert timing["steps"] == 5 and timing["first_step"] == 2 and 0 <= timing["host_blocked_on_data_share"] < 1
     assert timing["readbacks"] == 3  # step 1, then the logging steps 4 and 6: no read-back on the others
     assert "step time (steps 2-6): step_wall_ms" in log
-    check_stage(workers, _plan(tmp_path / "w2", workers=2, log_every=4, **kwargs))
+    check_stage(workers, worker_plan(tmp_path / "w2", workers=2, log_every=4, **kwargs))
 
 
 def test_the_resolution_ramp_reaches_the_workers(tmp_path, large_image_table, traced):
     """Guard for the test above: the ramp changes the losses, so equal losses mean equal budgets per step."""
     kwargs = dict(max_steps=4, warmup_ratio=0.0, scheduler="constant")
-    ramp = run_training_stage(large_image_table, _plan(tmp_path / "ramp", workers=2, **kwargs), devices=1, final=True)
-    flat = run_training_stage(large_image_table, _plan(tmp_path / "flat", workers=2, resolution_schedule=[], **kwargs),
+    ramp = run_training_stage(large_image_table, worker_plan(tmp_path / "ramp", workers=2, **kwargs), devices=1,
+                              final=True)
+    flat = run_training_stage(large_image_table,
+                              worker_plan(tmp_path / "flat", workers=2, resolution_schedule=[], **kwargs),
                               devices=1, final=True)
     assert _losses(ramp)[:2] != pytest.approx(_losses(flat)[:2], abs=1e-6)  # 56x56 budget before half-way
 
 
-def test_a_resumed_run_with_workers_equals_an_uninterrupted_one(tmp_path, large_image_table, traced, monkeypatch):
+def test_a_resumed_run_with_workers_equals_an_uninterrupted_one(tmp_path, large_image_table, traced, monkeypatch,
+                                                                uninterrupted_reference):
     """Killed after step 5 (checkpoint 4) with 2 workers, resumed with 2 workers: the run without workers."""
-    kwargs = dict(max_steps=8, checkpoint_every=4, log_every=3)
-    reference = run_training_stage(large_image_table, _plan(tmp_path / "ref", workers=0, **kwargs), devices=1,
-                                   final=True)
+    kwargs = RESUME  # max_steps=8, checkpoint_every=4, log_every=3
+    reference = uninterrupted_reference["result"]  # worker_plan(workers=0, **RESUME), 1 process, run once per session
     monkeypatch.setenv("LYCHEE_FAULT", "after_step_5")
     with pytest.raises(StageFailed, match="exited with code"):
-        run_training_stage(large_image_table, _plan(tmp_path / "killed", workers=2, **kwargs), devices=1, final=True)
+        run_training_stage(large_image_table, worker_plan(tmp_path / "killed", workers=2, **kwargs), devices=1,
+                           final=True)
     monkeypatch.delenv("LYCHEE_FAULT")
-    resumed = run_training_stage(large_image_table, _plan(tmp_path / "killed", workers=2, resume=True, **kwargs),
+    resumed = run_training_stage(large_image_table, worker_plan(tmp_path / "killed", workers=2, resume=True, **kwargs),
                                  devices=1, final=True)
     log = (tmp_path / "killed" / "t" / "stage_1cpu_final" / "launch.log").read_text()
     assert "checkpoint-4 at step 4" in log and "num_workers=2" in log

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from stage_plans import RESUME, worker_plan
 
 from lychee_pipeline.pipelines.training.nodes import StageGateError, check_stage, plan_training, run_training_stage
 from lychee_pipeline.training.launch import StageFailed
@@ -16,25 +17,28 @@ def _plan(tmp_path, gpus=1, **training):
                          gpus, "cpu", {"name": "t", "output_root": str(tmp_path)})
 
 
-def test_two_cpu_processes_stay_in_sync(tmp_path, training_table_path):
-    plan = _plan(tmp_path, gpus=2)
-    result = run_training_stage(training_table_path, plan, devices=2, final=True)
+def test_two_cpu_processes_stay_in_sync(two_process_epoch):
+    # One epoch of the 24-record table on 2 processes; the run is shared with test_training_correctness.py.
+    plan, result = two_process_epoch["plan"], two_process_epoch["result"]
     assert result["devices"] == 2 and result["device_type"] == "cpu"
-    assert result["steps"] == 6 and result["train_pairs"] == 48  # 6 steps x 2 processes x 1 group of 4 pairs
+    assert result["steps"] == 12 and result["train_pairs"] == 96  # 12 steps x 2 processes x 1 group of 4 pairs
     assert result["replica_max_diff"] == 0.0  # gradients all-reduced: identical replicas
     assert len(result["peak_mem_gib"]) == 2
     check_stage(result, plan)
 
 
-def test_resume_after_kill_matches_uninterrupted_run(tmp_path, training_table_path, monkeypatch):
-    reference = run_training_stage(training_table_path, _plan(tmp_path / "ref"), devices=1, final=True)
+def test_resume_after_kill_matches_uninterrupted_run(tmp_path, large_image_table, traced, monkeypatch,
+                                                     uninterrupted_reference):
+    # The plan and its uninterrupted run are shared with test_dataloader_workers.py's resume test (one launch).
+    reference = uninterrupted_reference["result"]  # worker_plan(workers=0, **RESUME): 8 steps, checkpoint every 4
 
-    monkeypatch.setenv("LYCHEE_FAULT", "after_step_5")  # SIGKILL after step 5; checkpoint-3 exists
+    monkeypatch.setenv("LYCHEE_FAULT", "after_step_5")  # SIGKILL after step 5; checkpoint-4 exists
     with pytest.raises(StageFailed, match=r"exited with code .*Full log: .*launch.log"):
-        run_training_stage(training_table_path, _plan(tmp_path / "killed"), devices=1, final=True)
+        run_training_stage(large_image_table, worker_plan(tmp_path / "killed", **RESUME), devices=1, final=True)
     monkeypatch.delenv("LYCHEE_FAULT")
-    resumed = run_training_stage(training_table_path, _plan(tmp_path / "killed", resume=True), devices=1, final=True)
-    assert [s for s, _ in resumed["losses"]] == [1, 2, 3, 4, 5, 6]
+    resumed = run_training_stage(large_image_table, worker_plan(tmp_path / "killed", resume=True, **RESUME),
+                                 devices=1, final=True)
+    assert [s for s, _ in resumed["losses"]] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert [x for _, x in resumed["losses"]] == pytest.approx([x for _, x in reference["losses"]], abs=1e-6)
 
 

@@ -7,22 +7,14 @@ non-finite step never reaches the weights and a run of them stops the stage nami
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
+from stage_plans import RECORDS, epoch_plan
 
-from lychee_pipeline.pipelines.training.nodes import StageGateError, check_stage, plan_training, run_training_stage
+from lychee_pipeline.pipelines.training.nodes import StageGateError, check_stage, run_training_stage
 from lychee_pipeline.training.launch import StageFailed
-
-RECORDS = 24  # rows of the training_table_path fixture
-
-
-def _plan(tmp_path, gpus=1, **training):
-    base = dict(group_size=4, learning_rate=1e-3, warmup_ratio=0.25, scheduler="cosine", max_steps=None, epochs=1,
-                max_length=512, max_pixels=12544, checkpoint_every=100, keep_last=3, seed=3)
-    base.update(training)
-    return plan_training({"name_or_path": "builtin:tiny", "lora": {"r": 8}}, base, {}, gpus, "cpu",
-                         {"name": "t", "output_root": str(tmp_path)})
 
 
 def cosine_lr(step: int, total: int, warmup: int, base: float) -> float:
@@ -32,21 +24,19 @@ def cosine_lr(step: int, total: int, warmup: int, base: float) -> float:
     return base * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
 
 
-@pytest.fixture
-def traced(monkeypatch):
-    for name in ("LYCHEE_FAULT", "LYCHEE_FAULT_RANK", "MLFLOW_TRACKING_URI"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("LYCHEE_TRACE_RECORDS", "1")
-
-
 @pytest.mark.parametrize(
     "processes, accumulation, total_steps",
-    [(1, 1, 24), (2, 1, 12), (2, 2, 6)],  # one epoch of 24 records by default (max_steps null)
+    [(1, 1, 24), (2, 1, 12), (2, 2, 6)],  # one epoch of the 24 records (the 2-process runs: conftest.py)
 )
 def test_learning_rate_follows_the_schedule_on_n_processes(tmp_path, training_table_path, traced, processes,
-                                                           accumulation, total_steps):
-    plan = _plan(tmp_path, gpus=processes, gradient_accumulation_steps=accumulation)
-    result = run_training_stage(training_table_path, plan, devices=processes, final=True)
+                                                           accumulation, total_steps, request):
+    shared = {(2, 1): "two_process_epoch", (2, 2): "two_process_accumulation"}.get((processes, accumulation))
+    if shared:  # a stage run of the session that other tests read too (conftest.py)
+        run = request.getfixturevalue(shared)
+        plan, result = run["plan"], run["result"]
+    else:
+        plan = epoch_plan(tmp_path, gpus=processes, gradient_accumulation_steps=accumulation)
+        result = run_training_stage(training_table_path, plan, devices=processes, final=True)
     assert result["steps"] == total_steps
     warmup = int(0.25 * total_steps)
     logged = dict((step, lr) for step, lr in result["learning_rates"])
@@ -63,7 +53,7 @@ def test_learning_rate_follows_the_schedule_on_n_processes(tmp_path, training_ta
 
 def test_three_processes_see_every_record_once_per_epoch_with_an_uneven_split(tmp_path, training_table_path, traced):
     """24 records over 3 ranks × 3 per batch: the last global batch has 6 real groups and 3 zero-weight pads."""
-    plan = _plan(tmp_path, gpus=3, per_device_batch_size=3, epochs=2, warmup_ratio=0.0)
+    plan = epoch_plan(tmp_path, gpus=3, per_device_batch_size=3, epochs=2, warmup_ratio=0.0)
     result = run_training_stage(training_table_path, plan, devices=3, final=True)
     assert result["devices"] == 3 and result["steps"] == 6  # 27 slots = 3 global batches per epoch
     for epoch in (0, 1):
@@ -74,9 +64,9 @@ def test_three_processes_see_every_record_once_per_epoch_with_an_uneven_split(tm
     check_stage(result, plan)
 
 
-def test_gate_refuses_a_schedule_that_did_not_end_where_planned(tmp_path, training_table_path, traced):
-    plan = _plan(tmp_path, max_steps=4, warmup_ratio=0.0)
-    result = run_training_stage(training_table_path, plan, devices=1, final=True)
+def test_gate_refuses_a_schedule_that_did_not_end_where_planned(uninterrupted_reference):
+    # Any finished stage will do: the session's uninterrupted reference (cosine to zero over 8 steps), a copy.
+    plan, result = uninterrupted_reference["plan"], copy.deepcopy(uninterrupted_reference["result"])
     result["learning_rates"][-1][1] = 5e-4  # as if the scheduler had been stepped the wrong number of times
     with pytest.raises(StageGateError, match="'learning-rate schedule' failed .* final learning rate 5.000e-04"):
         check_stage(result, plan)
@@ -86,7 +76,8 @@ def test_resume_in_the_second_epoch_on_two_processes_continues_the_same_run(tmp_
                                                                             traced, monkeypatch):
     """2 processes, 2 epochs of 12 steps, cosine: killed after step 17 (checkpoint 15), then resumed."""
     kwargs = dict(gpus=2, epochs=2, checkpoint_every=5)
-    reference = run_training_stage(training_table_path, _plan(tmp_path / "ref", **kwargs), devices=2, final=True)
+    reference = run_training_stage(training_table_path, epoch_plan(tmp_path / "ref", **kwargs), devices=2,
+                                   final=True)
     assert reference["steps"] == 24
     orders = [sorted(i for s, idx in reference["records_seen"] if lo < s <= lo + 12 for i in idx) for lo in (0, 12)]
     assert orders == [list(range(RECORDS))] * 2  # each epoch sees every record once
@@ -96,10 +87,10 @@ def test_resume_in_the_second_epoch_on_two_processes_continues_the_same_run(tmp_
 
     monkeypatch.setenv("LYCHEE_FAULT", "after_step_17")
     with pytest.raises(StageFailed, match="exited with code"):
-        run_training_stage(training_table_path, _plan(tmp_path / "killed", **kwargs), devices=2, final=True)
+        run_training_stage(training_table_path, epoch_plan(tmp_path / "killed", **kwargs), devices=2, final=True)
     monkeypatch.delenv("LYCHEE_FAULT")
-    resumed = run_training_stage(training_table_path, _plan(tmp_path / "killed", resume=True, **kwargs), devices=2,
-                                 final=True)
+    resumed = run_training_stage(training_table_path, epoch_plan(tmp_path / "killed", resume=True, **kwargs),
+                                 devices=2, final=True)
     log = (tmp_path / "killed" / "t" / "stage_2cpu_final" / "launch.log").read_text()
     assert "resumed from" in log and "checkpoint-15 at step 15 (epoch 1)" in log
     # The resumed part saw the records of the uninterrupted run in the same order ...
@@ -110,12 +101,12 @@ def test_resume_in_the_second_epoch_on_two_processes_continues_the_same_run(tmp_
     assert [s for s, _ in resumed["learning_rates"]] == list(range(1, 25))
     assert [x for _, x in resumed["learning_rates"]] == pytest.approx(
         [x for _, x in reference["learning_rates"]], rel=1e-9, abs=1e-15)
-    check_stage(resumed, _plan(tmp_path / "killed", resume=True, **kwargs))
+    check_stage(resumed, epoch_plan(tmp_path / "killed", resume=True, **kwargs))
 
 
 def test_a_non_finite_step_is_skipped_and_training_goes_on(tmp_path, training_table_path, traced, monkeypatch):
     monkeypatch.setenv("LYCHEE_FAULT", "nan_loss_at_3")
-    plan = _plan(tmp_path, max_steps=5)
+    plan = epoch_plan(tmp_path, max_steps=5)
     result = run_training_stage(training_table_path, plan, devices=1, final=True)
     assert result["steps"] == 5
     assert [s for s, *_ in result["skipped_steps"]] == [3]
@@ -129,7 +120,7 @@ def test_non_finite_steps_in_a_row_stop_the_stage_naming_the_last_finite_checkpo
     tmp_path, training_table_path, traced, monkeypatch
 ):
     monkeypatch.setenv("LYCHEE_FAULT", "nan_loss_from_3")
-    plan = _plan(tmp_path, gpus=2, max_steps=10, checkpoint_every=2, keep_last=1, max_nonfinite_steps=3)
+    plan = epoch_plan(tmp_path, gpus=2, max_steps=10, checkpoint_every=2, keep_last=1, max_nonfinite_steps=3)
     with pytest.raises(StageFailed, match=r"3 non-finite steps in a row \(steps 3-5\); last finite checkpoint: "
                                           r"\S*checkpoint-2"):
         run_training_stage(training_table_path, plan, devices=2, final=True)
@@ -141,7 +132,7 @@ def test_non_finite_steps_in_a_row_stop_the_stage_naming_the_last_finite_checkpo
     # What the message says to do: resume from it at a lower learning rate. The restored schedule takes the new
     # rate from step 3 on (cosine over 10 steps, no warm-up here: int(0.25 x 10) = 2 warm-up steps).
     monkeypatch.delenv("LYCHEE_FAULT")
-    resumed_plan = _plan(tmp_path, gpus=2, max_steps=10, checkpoint_every=2, keep_last=1, max_nonfinite_steps=3,
+    resumed_plan = epoch_plan(tmp_path, gpus=2, max_steps=10, checkpoint_every=2, keep_last=1, max_nonfinite_steps=3,
                          learning_rate=2e-4, resume=True)
     result = run_training_stage(training_table_path, resumed_plan, devices=2, final=True)
     log = open(plan["run_dir"] + "/stage_2cpu_final/launch.log").read()
@@ -156,7 +147,7 @@ def test_non_finite_steps_in_a_row_stop_the_stage_naming_the_last_finite_checkpo
 
 def test_listwise_batches_of_two_and_a_resolution_schedule_on_two_processes(tmp_path, training_table_path, traced):
     """Options no other stage test runs: per_device_batch_size 2, listwise loss, a resolution ramp, linear decay."""
-    plan = _plan(tmp_path, gpus=2, per_device_batch_size=2, loss="listwise", scheduler="linear", warmup_ratio=0.0,
+    plan = epoch_plan(tmp_path, gpus=2, per_device_batch_size=2, loss="listwise", scheduler="linear", warmup_ratio=0.0,
                  resolution_schedule=[{"start": 0.0, "max_pixels": 3136}, {"start": 0.5, "max_pixels": 12544}])
     result = run_training_stage(training_table_path, plan, devices=2, final=True)
     assert result["steps"] == 6 and result["train_pairs"] == 6 * 2 * 2 * 4
