@@ -226,7 +226,7 @@ def score_test_set(
     evaluation: Mapping[str, Any],
     gpus: int = 1,
     device: str = "auto",
-    training: TrainingParams | Mapping[str, Any] | None = None,
+    training: Any = None,  # params:training (a dict, or TrainingParams); a Union hint here would make Kedro warn
 ) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Score every test query's shuffled candidates with the base model and each stage's adapter.
 
