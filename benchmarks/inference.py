@@ -50,9 +50,10 @@ import common  # noqa: E402
 
 from lychee_pipeline.reranker.families import qwen2_5_vl  # noqa: E402
 from lychee_pipeline.reranker.collate import PairCollator  # noqa: E402
-from lychee_pipeline.reranker.inference import Reranker  # noqa: E402
+from lychee_pipeline.reranker.inference import Reranker, to_device  # noqa: E402
 from lychee_pipeline.reranker.kernels import apply_kernels  # noqa: E402
 from lychee_pipeline.reranker.model import LycheeReranker, ModelConfig, single_token_id  # noqa: E402
+from lychee_pipeline.reranker import packing  # noqa: E402
 from lychee_pipeline.reranker.packing import enable_packed_attention  # noqa: E402
 from lychee_pipeline.reranker.tiny import ensure_tiny  # noqa: E402
 
@@ -183,8 +184,7 @@ def timed(fn, device: torch.device):
 @torch.inference_mode()
 def gpu_only(scorer: Reranker, pairs, device: torch.device) -> tuple[list[float], float, int]:
     """The scorer's own batches, encoded beforehand and moved to the device; times forward + scores only."""
-    encoded = [(pos, {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
-               for pos, batch in scorer.batches(pairs)]
+    encoded = [(pos, to_device(batch, device)) for pos, batch in scorer.batches(pairs)]
     common.sync(device)
     model = scorer.model
     out = [0.0] * len(pairs)
@@ -310,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     # CUDA where installed) and packed pairs (model.pack_pairs); the naive loop above ran the stock model
     kernels = apply_kernels(reranker.base_model, "auto", device)
     enable_packed_attention(reranker.base_model)
-    log(f"core set-up: fused kernels {kernels}, pairs packed (the library's defaults)")
+    varlen = packing._varlen_attention() is not None and device.type == "cuda"
+    log(f"core set-up: fused kernels {kernels}, pairs packed (the library's defaults), attention over the packed "
+        f"pairs: {'one variable-length call per layer' if varlen else 'one SDPA call per pair'}")
 
     pipeline = {"prepare_workers": args.workers if args.workers == "auto" else int(args.workers),
                 "first_batch": args.first_batch if args.first_batch == "auto" else int(args.first_batch)}

@@ -178,3 +178,24 @@ def test_memory_plan_counts_packed_tokens():
     padded = memory.choose_checkpoint_layers(8 * 1400, 3584, 28, 16 * 2**30, 40.0)
     packed = memory.choose_checkpoint_layers(8 * 1200, 3584, 28, 16 * 2**30, 40.0)
     assert packed.layers < padded.layers  # fewer tokens: fewer layers need checkpointing
+
+
+@pytest.mark.parametrize("images", [True, False], ids=["images", "text_only"])
+def test_a_host_prepared_forward_reads_nothing_back_from_the_device(make_model, tmp_path, images):
+    """Scoring prepares each batch on the host (``host_inputs``: packed ids, mRoPE positions, the vision tower's
+    grid-derived inputs). The forward on that batch must then never read a device tensor's values (each such
+    read is a wait for the device): run on the ``meta`` device, where tensors have shapes but no values, it
+    completes; the padded batch, packed inside the forward, cannot (it reads its token ids back)."""
+    model = make_model(finetune="frozen")
+    model.eval()
+    batch = GroupCollator(model.processor, group_size=4)(_rows(tmp_path, images=images))
+    with torch.no_grad():
+        expected = model(**batch)
+        prepared = model.host_inputs(batch)
+        torch.testing.assert_close(model(**prepared), expected, rtol=0, atol=0)  # the same forward on the CPU
+        model.to("meta")
+        meta_batch = {k: v.to("meta") if isinstance(v, (torch.Tensor, packing.PackedBatch)) else v
+                      for k, v in prepared.items()}
+        assert model(**meta_batch).shape == expected.shape
+        with pytest.raises(NotImplementedError, match="no data"):
+            model(**{k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in _model_batch(batch).items()})

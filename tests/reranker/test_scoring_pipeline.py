@@ -105,11 +105,14 @@ def test_several_preparing_threads_give_the_serial_scores_and_counts(reranker, i
 
 def test_a_small_first_batch_starts_the_device_early_with_the_same_scores(reranker, images, jpegs):
     """``first_batch=2``: a first chunk of 2 pairs, then chunks of 1, 2 ... batches (up to chunk_size), each
-    sorted; the scores are those of a serial loop over the same chunks, close to the unsplit ones."""
+    sorted; the scores are those of a serial loop over the same chunks, close to the unsplit ones. A first batch
+    much smaller than a batch doubles until it reaches one."""
     pairs = _pairs(images, jpegs)
     split = Reranker(reranker.model, batch_size=3, chunk_batches=2, max_pixels=12544, first_batch=2)
     bounds = split.chunk_bounds(len(pairs))
     assert bounds == [(0, 2), (2, 5), (5, 11), (11, 17), (17, 20)]
+    ramp = Reranker(reranker.model, batch_size=32, chunk_batches=4, first_batch=4).chunk_bounds(300)
+    assert ramp[:6] == [(0, 4), (4, 12), (12, 28), (28, 60), (60, 124), (124, 252)]
     assert Reranker(reranker.model, batch_size=3, chunk_batches=2).chunk_bounds(20)[:2] == [(0, 6), (6, 12)]
     assert split.chunk_bounds(3) == [(0, 3)]  # one batch of input: no split
     expected = serial_scores(split, pairs, bounds)
@@ -128,7 +131,9 @@ def test_batches_are_length_sorted_within_chunks_and_cover_every_pair(reranker, 
     seen, lengths = [], []
     for positions, batch in scorer.batches(pairs):
         seen += positions
-        lengths.append((positions[0] // 6, batch["attention_mask"].sum(dim=1).tolist()))
+        packed = batch["packed"]  # the default model packs pairs: the batch is prepared as one packed sequence
+        assert packed.pairs == len(positions)
+        lengths.append((positions[0] // 6, list(packed.plan.lengths)))
     assert sorted(seen) == list(range(len(pairs)))
     for chunk in {c for c, _ in lengths}:
         flat = [n for c, rows in lengths if c == chunk for n in rows]

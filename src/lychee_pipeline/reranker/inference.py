@@ -23,6 +23,7 @@ import torch
 
 from .collate import DEFAULT_MAX_LENGTH, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PairCollator
 from .model import LycheeReranker, ModelConfig, load_reranker, processing_of, read_metadata
+from .packing import PackedBatch
 from .processing import ProcessingConfig
 from .prompt import instruction_for
 
@@ -31,6 +32,12 @@ log = logging.getLogger(__name__)
 Item = Mapping[str, Any]
 
 IN_FLIGHT = 2  # batches launched on a GPU and not yet waited for
+
+
+def to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """A host batch (tensors, a :class:`PackedBatch`) on ``device``; copies from page-locked memory overlap."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, (torch.Tensor, PackedBatch)) else v
+            for k, v in batch.items()}
 
 
 class Reranker:
@@ -131,12 +138,17 @@ class Reranker:
 
     def chunk_bounds(self, n: int) -> list[tuple[int, int]]:
         """``(start, end)`` of the chunks sorted and batched together. With a first batch of F pairs (more
-        than one batch of input only): F pairs, then chunks of 1, 2, 4 ... batches up to ``chunk_size``, so
-        each chunk's device time covers the measuring of the next; else chunks of ``chunk_size``."""
+        than one batch of input only): F, 2F, 4F ... pairs while less than a batch, then chunks of 1, 2, 4 ...
+        batches up to ``chunk_size``, so each chunk's device time covers the host's preparing of the next (the
+        host prepares a pair in less time than the device scores it); else chunks of ``chunk_size``."""
         first = self._first_batch()
         if not first or n <= self.batch_size:
             return [(s, min(n, s + self.chunk_size)) for s in range(0, n, self.chunk_size)]
-        bounds, start, size = [(0, first)], first, self.batch_size
+        bounds, start, size = [], 0, first
+        while size < self.batch_size and start < n:
+            bounds.append((start, min(n, start + size)))
+            start, size = start + size, 2 * size
+        size = self.batch_size
         while start < n:
             bounds.append((start, min(n, start + size)))
             start += size
@@ -148,9 +160,10 @@ class Reranker:
         return [order[b : b + self.batch_size] for b in range(0, len(order), self.batch_size)]
 
     def _encode(self, collator: PairCollator, prepared: list[tuple[str, list[Any], int]]) -> dict[str, Any]:
-        batch = collator.encode([collator.decode(p) for p in prepared])
+        # the packed sequence and the grid-derived inputs are worked out here too, off the launching thread
+        batch = self.model.host_inputs(collator.encode([collator.decode(p) for p in prepared]))
         if self.model.device.type == "cuda":  # page-locked, so the copy to the GPU is asynchronous
-            batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            batch = {k: v.pin_memory() if isinstance(v, (torch.Tensor, PackedBatch)) else v for k, v in batch.items()}
         return batch
 
     def batches(self, pairs: Sequence[Sequence[Any]]):
@@ -288,9 +301,7 @@ class Reranker:
         try:
             with torch.inference_mode():
                 for positions, batch in self._prefetched(pairs):
-                    batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                             for k, v in batch.items()}
-                    probs = self.model.probabilities(self.model(**batch))
+                    probs = self.model.probabilities(self.model(**to_device(batch, device)))
                     if on_gpu:
                         host = torch.empty(probs.shape, dtype=probs.dtype, pin_memory=True)
                         host.copy_(probs, non_blocking=True)  # lands when the device gets there

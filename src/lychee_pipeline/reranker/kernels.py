@@ -55,14 +55,43 @@ def resolve_kernels(choice: str, device: torch.device | str) -> str:
     return "liger"
 
 
+def _bind(module: nn.Module, liger_cls: type) -> None:
+    """Give ``module`` the forward of liger's module class ``liger_cls``, keeping its own parameters."""
+    module.__dict__["forward"] = liger_cls.forward.__get__(module, type(module))
+    module.__dict__["_get_name"] = lambda: liger_cls.__name__
+
+
+def _to_liger_rms_norm(norm: nn.Module, liger_cls: type) -> None:
+    # the settings liger's RMSNorm reads in its forward (offset, casting mode, in-place backward ...) are taken
+    # from a fresh instance of it, so a liger release that adds one still finds it here
+    reference = liger_cls(norm.weight.shape[0], eps=norm.variance_epsilon)
+    for key, value in vars(reference).items():
+        if not key.startswith("_") and key != "training":
+            setattr(norm, key, value)
+    _bind(norm, liger_cls)
+
+
 def apply_liger(model: nn.Module) -> dict[str, Any]:
     """liger-kernel's RMSNorm, SwiGLU and rope on a loaded ``Qwen2_5_VLForConditionalGeneration`` (before LoRA is
-    applied). Returns what was replaced, for the log."""
-    from liger_kernel.transformers import apply_liger_kernel_to_qwen2_5_vl
+    applied). Returns what was replaced, for the log.
+
+    The modules of this model instance are switched one by one (the language model's norms and MLPs, the vision
+    blocks' norms: what liger's own Qwen2.5-VL switch does to an instance) rather than through
+    ``apply_liger_kernel_to_qwen2_5_vl``: liger-kernel 0.8.5's switch imports an output class that transformers
+    5.24 renamed and fails with an ImportError, and it also replaces transformers' classes for every model built
+    later in the process."""
+    from liger_kernel.transformers import LigerRMSNorm, LigerSwiGLUMLP
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf
 
-    apply_liger_kernel_to_qwen2_5_vl(rope=False, cross_entropy=False, fused_linear_cross_entropy=False,
-                                     rms_norm=True, swiglu=True, model=model)
+    holders = (hf.Qwen2_5_VLDecoderLayer, hf.Qwen2_5_VLTextModel, hf.Qwen2_5_VLVisionBlock)  # modules with norms
+    for module in model.modules():
+        if isinstance(module, hf.Qwen2_5_VLDecoderLayer):
+            _bind(module.mlp, LigerSwiGLUMLP)
+        if isinstance(module, holders):
+            for name in ("input_layernorm", "post_attention_layernorm", "norm", "norm1", "norm2"):
+                norm = getattr(module, name, None)
+                if isinstance(norm, hf.Qwen2_5_VLRMSNorm):
+                    _to_liger_rms_norm(norm, LigerRMSNorm)
     if hasattr(hf, "apply_multimodal_rotary_pos_emb"):  # releases that apply mRoPE in the attention
         from liger_kernel.transformers.qwen2vl_mrope import liger_multimodal_rotary_pos_emb
 

@@ -219,7 +219,9 @@ class LycheeReranker(nn.Module):
     def head_weight(self) -> torch.Tensor:
         """The two ``lm_head`` rows [2, hidden]: (yes, no)."""
         weight = self.base_model.lm_head.weight
-        return weight[[self.yes_id, self.no_id]]
+        # two row views stacked: indexing with a list would copy the ids to the device first, a copy that waits
+        # for everything queued there (one wait per forward, the device idle until the next batch is launched)
+        return torch.stack((weight[self.yes_id], weight[self.no_id]))
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
@@ -233,16 +235,32 @@ class LycheeReranker(nn.Module):
             raise ValueError("inputs must be left padded: the last position of every row has to be a real token")
         return inputs
 
+    def host_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """``batch`` (processor outputs, on the CPU) as :meth:`forward` takes it, with the work that depends only
+        on the inputs' shapes done here, on the host: for a model that packs pairs, the packed sequence, its
+        positions and the vision tower's grid-derived inputs (a :class:`~.packing.PackedBatch` under
+        ``"packed"``). Call it where the batch is prepared (the scorer's preparing thread), so that the forward
+        never waits for the device to read them back; unchanged for a model that pads."""
+        if not self.config.pack_pairs:
+            return batch
+        from .packing import pack_batch
+
+        model_inputs = {k: v for k, v in batch.items() if k not in NON_MODEL_KEYS}
+        return {"packed": pack_batch(self.base_model.model, model_inputs),
+                **{k: v for k, v in batch.items() if k in NON_MODEL_KEYS}}
+
     def forward(self, **batch: Any) -> torch.Tensor:
         """Tensor[N, 2] (fp32) of (yes, no) logits at the last position.
 
         Takes every processor output (input_ids, attention_mask, pixel_values, image_grid_thw,
-        mm_token_type_ids, ...); ``labels`` and ``group_size`` from the group collator are ignored.
+        mm_token_type_ids, ...), or what :meth:`host_inputs` made of them; ``labels`` and ``group_size`` from the
+        group collator are ignored.
         """
         if self.config.pack_pairs:  # the pairs as one sequence without padding, scored at each pair's end
             from .packing import packed_last_hidden
 
-            last = packed_last_hidden(self.base_model.model, {k: v for k, v in batch.items() if k not in NON_MODEL_KEYS})
+            inputs = batch.get("packed") or {k: v for k, v in batch.items() if k not in NON_MODEL_KEYS}
+            last = packed_last_hidden(self.base_model.model, inputs)
         else:
             inputs = self._model_inputs(batch)
             last = self.base_model.model(**inputs, use_cache=False, return_dict=True).last_hidden_state[:, -1, :]

@@ -26,7 +26,9 @@ Only torch and transformers are needed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import inspect
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -58,9 +60,12 @@ class PackPlan:
         ``torch.compile``-d decoder layer sees an ordinary tensor input (no guard on the pair lengths, no
         recompilation per group); the attention reads the bounds from the attribute, without a device sync.
         """
-        cu = torch.tensor((0,) + self.ends, dtype=torch.int32, device=device)
-        setattr(cu, _BOUNDS_ATTR, self)
-        return cu
+        return self.attach(torch.tensor((0,) + self.ends, dtype=torch.int32, device=device))
+
+    def attach(self, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """``cu_seqlens`` (this plan's bounds, on any device) carrying the plan as an attribute."""
+        setattr(cu_seqlens, _BOUNDS_ATTR, self)
+        return cu_seqlens
 
 
 def plan_of(cu_seqlens: torch.Tensor) -> PackPlan:
@@ -75,6 +80,26 @@ def _sdpa():
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward
+
+
+@functools.cache
+def _varlen_attention():
+    """PyTorch's variable-length flash attention (``torch.nn.attention.varlen``, torch >= 2.10) with its causal
+    and grouped-query keywords for this torch release, or None where it is missing."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    return functools.partial(varlen_attn, **causal), "enable_gqa" in params
+
+
+def _varlen_ready(query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    """One variable-length attention call for all the pairs: on a CUDA device in half precision, without
+    gradients (scoring) and without a sliding window. Training keeps one SDPA call per pair."""
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not torch.is_grad_enabled()
+            and kwargs.get("sliding_window") is None and _varlen_attention() is not None)
 
 
 @torch.compiler.disable  # a graph break around attention: the loop over pairs is not traced into a compiled layer
@@ -100,6 +125,15 @@ def packed_attention_forward(
         raise ValueError("a packed forward must not carry an attention mask (pairs are separated by the plan)")
     if len(plan.starts) == 1:
         return sdpa(module, query, key, value, None, is_causal=True, **kwargs)
+    if cu_seqlens.is_cuda and _varlen_ready(query, kwargs):
+        # one kernel for every pair of the sequence instead of one SDPA call (and three slices) per pair: the
+        # thread that launches the model's work issues ~30 calls a forward instead of ~30 x pairs
+        varlen, gqa_keyword = _varlen_attention()
+        q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [T, heads, head_dim]
+        longest = max(plan.lengths)
+        extra = {"enable_gqa": True} if gqa_keyword and k.shape[1] != q.shape[1] else {}
+        out = varlen(q, k, v, cu_seqlens, cu_seqlens, longest, longest, scale=kwargs.get("scaling"), **extra)
+        return out.unsqueeze(0), None
     outputs = []
     for start, end in zip(plan.starts, plan.ends):
         out, _ = sdpa(module, query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], None,
@@ -196,14 +230,80 @@ def pack_inputs(vl_model: nn.Module, batch: dict[str, Any]) -> tuple[dict[str, A
     return inputs, plan, last_index
 
 
-def packed_last_hidden(vl_model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+@dataclass(frozen=True)
+class PackedBatch:
+    """One packed forward's inputs with everything that depends only on the inputs' shapes already worked out:
+    the packed token ids and mRoPE positions, where each pair ends, where the image tokens go, and the vision
+    tower's grid-derived inputs. Built on the host by :func:`pack_batch` (a scoring thread, before the batch is
+    copied to the device), so the forward reads nothing back from the device. :meth:`to` moves what the kernels
+    read and keeps the bounds on the host."""
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [3, 1, T]: mRoPE (temporal, height, width)
+    last_index: torch.Tensor  # [pairs]: every pair's last token in the packed sequence
+    plan: PackPlan
+    cu_seqlens: torch.Tensor  # [pairs + 1] int32: the plan's bounds, for a variable-length attention kernel
+    pixel_values: torch.Tensor | None = None
+    image_rows: torch.Tensor | None = None  # [image tokens]: where the image features go in the sequence
+    image_grid_thw: torch.Tensor | None = None  # stays on the host
+    vision_to_device: dict[str, Any] = field(default_factory=dict)
+    vision_on_host: dict[str, Any] = field(default_factory=dict)
+
+    def _map(self, fn) -> PackedBatch:
+        moved = {name: fn(getattr(self, name)) if getattr(self, name) is not None else None
+                 for name in ("input_ids", "position_ids", "last_index", "cu_seqlens", "pixel_values", "image_rows")}
+        return replace(self, **moved, vision_to_device={k: fn(v) for k, v in self.vision_to_device.items()})
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> PackedBatch:
+        return self._map(lambda t: t.pin_memory())
+
+    @property
+    def pairs(self) -> int:
+        return len(self.plan.starts)
+
+
+def pack_batch(vl_model: nn.Module, batch: dict[str, Any]) -> PackedBatch:
+    """The :class:`PackedBatch` of a padded batch (processor outputs). Works on the host: a batch already on
+    the device is read back here (its token ids, mask and grids: one wait for the device), the pixels stay where
+    they are. ``vl_model`` is the ``Qwen2_5_VLModel`` (its config and ``get_rope_index``, no weights)."""
+    from .families import qwen2_5_vl
+
+    if batch.get("pixel_values_videos") is not None or batch.get("video_grid_thw") is not None:
+        raise ValueError("packing pairs does not take videos; set model.pack_pairs: false to score them")
+    host = {k: v.cpu() if isinstance(v, torch.Tensor) and k != "pixel_values" else v for k, v in batch.items()}
+    inputs, plan, last_index = pack_inputs(vl_model, host)
+    grid = host.get("image_grid_thw")
+    pixels = batch.get("pixel_values")
+    vision_to_device, vision_on_host, image_rows = {}, {}, None
+    if pixels is not None:
+        image_rows = (inputs["input_ids"][0] == vl_model.config.image_token_id).nonzero().squeeze(1)
+        vision_to_device, vision_on_host = qwen2_5_vl.vision_inputs_on_host(vl_model.config.vision_config, grid)
+    # the text row of the positions is dropped on purpose: with row 0 present, transformers would also build a
+    # dense packed T×T mask; the plan separates the pairs instead
+    return PackedBatch(inputs["input_ids"], inputs["position_ids"][1:], last_index, plan, plan.as_tensor(), pixels,
+                       image_rows, grid if pixels is not None else None, vision_to_device, vision_on_host)
+
+
+def packed_last_hidden(vl_model: nn.Module, batch: dict[str, Any] | PackedBatch) -> torch.Tensor:
     """[N, hidden]: the last hidden state at every pair's last token, from one packed forward of
-    ``vl_model`` (a ``Qwen2_5_VLModel`` whose language model uses :data:`PACKED_ATTENTION`)."""
+    ``vl_model`` (a ``Qwen2_5_VLModel`` whose language model uses :data:`PACKED_ATTENTION`).
+
+    ``batch``: a :class:`PackedBatch` on the model's device (nothing is read back from the device), or a padded
+    batch, packed here by :func:`pack_batch`. The image features go into the sequence at the rows the plan
+    knows (no count check on the device), and the language model runs on the embeddings."""
     if any(c._attn_implementation != PACKED_ATTENTION for c in _text_configs(vl_model)):
         raise RuntimeError("the language model is not switched to packed attention: call enable_packed_attention")
-    inputs, plan, last_index = pack_inputs(vl_model, batch)
-    # the text row of the positions is dropped on purpose: with row 0 present, transformers would also build a
-    # dense packed T×T mask; the plan below separates the pairs instead
-    inputs["position_ids"] = inputs["position_ids"][1:]
-    outputs = vl_model(**inputs, use_cache=False, return_dict=True, **{PLAN_KWARG: plan.as_tensor()})
-    return outputs.last_hidden_state[0].index_select(0, last_index)
+    embedding = vl_model.get_input_embeddings()
+    packed = batch if isinstance(batch, PackedBatch) else pack_batch(vl_model, batch).to(embedding.weight.device)
+    embeds = embedding(packed.input_ids)
+    if packed.pixel_values is not None:
+        features = vl_model.get_image_features(packed.pixel_values, packed.image_grid_thw, return_dict=True,
+                                               **packed.vision_to_device, **packed.vision_on_host).pooler_output
+        image_embeds = torch.cat(tuple(features), dim=0).to(embeds.dtype)
+        embeds = embeds.index_copy(1, packed.image_rows, image_embeds.unsqueeze(0))
+    outputs = vl_model.language_model(inputs_embeds=embeds, position_ids=packed.position_ids, use_cache=False,
+                                      return_dict=True, **{PLAN_KWARG: packed.plan.attach(packed.cu_seqlens)})
+    return outputs.last_hidden_state[0].index_select(0, packed.last_index)

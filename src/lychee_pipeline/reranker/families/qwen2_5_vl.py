@@ -469,7 +469,13 @@ class _Group:
     length: int  # tokens per segment
     count: int  # segments in the group
     start: int | None  # first row, when the group's segments are one contiguous run
-    index: torch.Tensor | None  # row indices [count * length] otherwise (on the device)
+    index: torch.Tensor | None  # row indices [count * length] otherwise
+
+    def rows_on(self, device: torch.device) -> torch.Tensor:
+        """The row indices on ``device``: a plan built on the host copies them over once (no device sync)."""
+        if self.index.device != device:
+            self.index = self.index.to(device, non_blocking=True)
+        return self.index
 
 
 def _build_plan(cu_seqlens: torch.Tensor) -> list[_Group]:
@@ -502,6 +508,31 @@ def segment_plan(cu_seqlens: torch.Tensor) -> list[_Group]:
     return plan
 
 
+def vision_inputs_on_host(vision_config: Any, image_grid_thw: torch.Tensor) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What the vision tower derives from the image grids alone, computed on the host: ``(to the device, stays
+    on the host)``, passed to its forward as precomputed keyword arguments (transformers' ``vision_utils``).
+
+    Computed in the tower's own forward, these are Python loops over ``grid_thw.tolist()`` on a device tensor,
+    each a device sync. To the device: the rotary positions and the window order. On the host: the segment
+    bounds (full and windowed attention) with their segment plans built here, so the batched attention never
+    reads them back, and their longest segments.
+    """
+    from transformers import vision_utils
+
+    grid = image_grid_thw.cpu()
+    merge = vision_config.spatial_merge_size
+    window_index, cu_window_seqlens = vision_utils.get_vision_window_index(
+        grid, spatial_merge_size=merge, window_size=vision_config.window_size, patch_size=vision_config.patch_size)
+    cu_seqlens = vision_utils.get_vision_cu_seqlens(grid)
+    for cu in (cu_seqlens, cu_window_seqlens):
+        segment_plan(cu)
+    to_device = {"position_ids": vision_utils.get_vision_position_ids(grid, merge), "window_index": window_index}
+    on_host = {"cu_seqlens": cu_seqlens, "cu_window_seqlens": cu_window_seqlens,
+               "max_seqlen": int((cu_seqlens[1:] - cu_seqlens[:-1]).max()),
+               "max_window_seqlen": int((cu_window_seqlens[1:] - cu_window_seqlens[:-1]).max())}
+    return to_device, on_host
+
+
 # ----------------------------------------------------------------------------------------------
 # the batched vision attention
 
@@ -523,6 +554,7 @@ def batched_vision_attention_forward(
     """``Qwen2_5_VLVisionAttention.forward`` with one attention call per distinct segment length."""
     hf = _hf_modeling()
     if hf.is_flash_attention_requested(self.config):  # flash-attn is already variable-length: keep it
+        cu_seqlens = cu_seqlens.to(hidden_states.device)  # prepared on the host (vision_inputs_on_host)
         return getattr(self, _ORIG_FORWARD)(hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs)
 
     seq_length = hidden_states.shape[0]
@@ -557,8 +589,9 @@ def batched_vision_attention_forward(
                 rows = slice(g.start, g.start + g.count * g.length)
                 attn_output[rows] = attend(query_states[rows], key_states[rows], value_states[rows], g.count, g.length)
             else:
-                picked = [t.index_select(0, g.index) for t in (query_states, key_states, value_states)]
-                attn_output.index_copy_(0, g.index, attend(*picked, g.count, g.length))
+                rows = g.rows_on(hidden_states.device)
+                picked = [t.index_select(0, rows) for t in (query_states, key_states, value_states)]
+                attn_output.index_copy_(0, rows, attend(*picked, g.count, g.length))
 
     return self.proj(attn_output.contiguous())
 
