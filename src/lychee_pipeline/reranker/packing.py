@@ -17,11 +17,17 @@ with three things kept equal to the padded path:
   (transformers' own packed-sequence detection would build a dense 4-D boolean mask for SDPA, which forces
   the slower memory-efficient kernel over the whole T×T square, ~6× the attention work of 8 pairs; its
   flex-attention path compiles ``flex_attention`` with ``dynamic=False``, so every new packed length would
-  recompile; flash-attn's varlen kernel is not installed on the machines this project runs on.)
+  recompile; the flash-attn package is not installed on the machines this project runs on.) When scoring on
+  CUDA (no gradients), the pairs share one call of PyTorch's own variable-length flash attention per layer
+  (``torch.nn.attention.varlen``, torch >= 2.10) instead of one SDPA call per pair.
 * **The score** is read at each pair's last real token (``cumsum(lengths) - 1`` in the packed sequence).
 
-The vision tower is unchanged: it already takes every image's patches as one flattened sequence.
-Only torch and transformers are needed.
+Everything that depends only on the inputs' shapes — the packed ids, the positions, the bounds, where the
+image tokens go, the vision tower's grid-derived inputs — is worked out on the host by :func:`pack_batch`
+into a :class:`PackedBatch`. The scorer does that in its preparing thread, before the batch goes to the
+device, so the forward never waits for the device (``Reranker``; a padded batch given to the forward is
+packed there, after reading its ids back). The vision tower takes every image's patches as one flattened
+sequence already. Only torch and transformers are needed.
 """
 
 from __future__ import annotations
@@ -236,7 +242,7 @@ class PackedBatch:
     the packed token ids and mRoPE positions, where each pair ends, where the image tokens go, and the vision
     tower's grid-derived inputs. Built on the host by :func:`pack_batch` (a scoring thread, before the batch is
     copied to the device), so the forward reads nothing back from the device. :meth:`to` moves what the kernels
-    read and keeps the bounds on the host."""
+    read; the plan, the grids and the vision tower's segment bounds stay on the host."""
 
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [3, 1, T]: mRoPE (temporal, height, width)

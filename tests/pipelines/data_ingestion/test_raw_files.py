@@ -117,3 +117,25 @@ def test_a_latin1_line_is_refused_naming_the_encoding(tmp_path):
     assert counts["lines_in"] == 2 == counts["clean"] + counts["rejected"] + counts["duplicates"]
     assert rejected[0]["reason"].startswith("invalid UTF-8 at byte") and "Latin-1" in rejected[0]["reason"]
     assert raw_files["files"][0]["rejected"] == 1 and raw_files["files"][0]["clean"] == 1
+
+
+@pytest.mark.parametrize("start", [b"BZh", b"BZh9 not bzip2", b"\x1f\x8b not gzip"], ids=["BZh", "BZh9", "gzip_magic"])
+def test_text_that_starts_like_a_compressed_file_is_read_as_text(tmp_path, start):
+    """Found by the ingestion fuzz: a line starting with bzip2's or gzip's first bytes made the reader open the
+    file as compressed and crash on the stream. Only a whole header counts; the line is rejected as text."""
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(start + b"\n" + _lines("ok", 1))
+    _, rejected, counts, raw_files, _ = ingest_files(locate_raw_data({"raw_path": str(path)}, {}), {})
+    assert raw_files["files"][0]["compression"] is None
+    assert counts["lines_in"] == 2 and counts["clean"] == 1 and counts["rejected"] == 1 and rejected[0]["reason"]
+
+
+@pytest.mark.parametrize("kind", ["gzip", "bzip2"])
+def test_a_compressed_file_cut_short_is_a_one_line_error_naming_it(tmp_path, kind):
+    whole = (gzip.compress if kind == "gzip" else bz2.compress)(_lines("cut", 200))
+    path = tmp_path / f"a.jsonl.{'gz' if kind == 'gzip' else 'bz2'}"
+    path.write_bytes(whole[: len(whole) // 2])
+    # gzip fails part-way through the lines (after some were read), bzip2 at its first block (the file is refused)
+    error, where = (ValueError, r"a\.jsonl\.gz, after line \d+: ") if kind == "gzip" else (FileNotFoundError, "")
+    with pytest.raises(error, match=rf"{where}its {kind} stream is corrupt or cut short \(.+\); re-export"):
+        ingest_files(locate_raw_data({"raw_path": str(path)}, {}), {})

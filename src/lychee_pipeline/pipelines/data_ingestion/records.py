@@ -9,7 +9,9 @@ import hashlib
 import json
 import math
 import os
+import re
 import unicodedata
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -196,10 +198,21 @@ _UTF_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32 LE"), (b"\x00\x00\xfe\xff", "UTF-32 B
              (b"\xff\xfe", "UTF-16 LE"), (b"\xfe\xff", "UTF-16 BE"))
 
 
+# bzip2's header goes on past "BZh": a block size digit, then the first block's or the end-of-stream magic
+_BZIP2_HEADER = re.compile(rb"BZh[1-9](\x31\x41\x59\x26\x53\x59|\x17\x72\x45\x38\x50\x90)")
+
+
 def compression_of(file: str) -> str | None:
-    """``gzip``, ``bzip2``, ``zstd``, ``zip`` from the file's first bytes; ``None`` for plain text."""
+    """``gzip``, ``bzip2``, ``zstd``, ``zip`` from the file's first bytes; ``None`` for plain text.
+
+    gzip and bzip2 are recognised by their whole header (gzip's deflate method byte, bzip2's block size and block
+    magic), so a text file that happens to start with ``BZh`` is read, and rejected, as text."""
     with open(file, "rb") as handle:
-        head = handle.read(4)
+        head = handle.read(10)
+    if head.startswith(b"BZh"):
+        return "bzip2" if _BZIP2_HEADER.match(head) else None
+    if head.startswith(b"\x1f\x8b"):
+        return "gzip" if head[2:3] == b"\x08" else None
     return next((name for magic, name in _MAGIC.items() if head.startswith(magic)), None)
 
 
@@ -213,10 +226,21 @@ def open_raw(file: str):
     return open(file, "rb")
 
 
+_STREAM_ERRORS = (EOFError, OSError, zlib.error)  # what reading a corrupt or truncated gzip / bzip2 stream raises
+
+
+def corrupt_stream(file: str, error: BaseException) -> str:
+    return (f"its {compression_of(file)} stream is corrupt or cut short ({error}); re-export or re-compress "
+            "the file")
+
+
 def encoding_problem(file: str) -> str | None:
     """Why a (decompressed) file is not UTF-8 JSON lines, from its first bytes; ``None`` when it may be."""
-    with open_raw(file) as handle:
-        head = handle.read(4)
+    try:
+        with open_raw(file) as handle:
+            head = handle.read(4)
+    except _STREAM_ERRORS as error:
+        return corrupt_stream(file, error)
     for bom, name in _UTF_BOMS:
         if head.startswith(bom):
             return f"encoding {name} (byte-order mark {bom.hex(' ')}): re-save the file as UTF-8"
@@ -369,7 +393,10 @@ def parse_chunk(args: tuple) -> dict[str, Any]:
         handle.seek(start)
         offset = start
         while whole or offset < end:
-            raw = handle.readline()
+            try:
+                raw = handle.readline()
+            except _STREAM_ERRORS as error:  # only a compressed stream fails while being read
+                raise ValueError(f"{file}, after line {number}: {corrupt_stream(file, error)}") from None
             if whole and not raw:
                 break
             number += 1
