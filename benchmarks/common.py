@@ -154,7 +154,9 @@ def synthetic_group(shape: Shape, seed: int, patch: int = 14, merge: int = 2, te
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    from lychee_pipeline.reranker.inference import to_device as batch_to_device
+
+    return batch_to_device(batch, device)
 
 
 def batch_stats(batch: dict[str, Any]) -> dict[str, int]:

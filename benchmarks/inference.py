@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     # CUDA where installed) and packed pairs (model.pack_pairs); the naive loop above ran the stock model
     kernels = apply_kernels(reranker.base_model, "auto", device)
     enable_packed_attention(reranker.base_model)
-    varlen = packing._varlen_attention() is not None and device.type == "cuda"
+    varlen = packing.varlen_attention_ready(device)
     log(f"core set-up: fused kernels {kernels}, pairs packed (the library's defaults), attention over the packed "
         f"pairs: {'one variable-length call per layer' if varlen else 'one SDPA call per pair'}")
 

@@ -168,7 +168,9 @@ class Reranker:
 
     def batches(self, pairs: Sequence[Sequence[Any]]):
         """``(positions in pairs, host batch)`` in scoring order: chunks (:meth:`chunk_bounds`) sorted by token
-        count (measured without decoding images), then cut into batches of ``batch_size``; in this thread."""
+        count (measured without decoding images), then cut into batches of ``batch_size``; in this thread. A host
+        batch is what the model's forward takes (``LycheeReranker.host_inputs``: a packed model's
+        ``{"packed": PackedBatch}``), page-locked on a GPU."""
         for start, end in self.chunk_bounds(len(pairs)):
             # prompts rendered, tokens counted and truncation applied once; images decoded only per batch
             chunk = [self.collator.prepare(p, decode=False, count=True) for p in pairs[start:end]]

@@ -64,7 +64,8 @@ def _bind(module: nn.Module, liger_cls: type) -> None:
 def _to_liger_rms_norm(norm: nn.Module, liger_cls: type) -> None:
     # the settings liger's RMSNorm reads in its forward (offset, casting mode, in-place backward ...) are taken
     # from a fresh instance of it, so a liger release that adds one still finds it here
-    reference = liger_cls(norm.weight.shape[0], eps=norm.variance_epsilon)
+    with torch.device("meta"):  # the reference's own weight is never used
+        reference = liger_cls(norm.weight.shape[0], eps=norm.variance_epsilon)
     for key, value in vars(reference).items():
         if not key.startswith("_") and key != "training":
             setattr(norm, key, value)
@@ -78,14 +79,18 @@ def apply_liger(model: nn.Module) -> dict[str, Any]:
     The modules of this model instance are switched one by one (the language model's norms and MLPs, the vision
     blocks' norms: what liger's own Qwen2.5-VL switch does to an instance) rather than through
     ``apply_liger_kernel_to_qwen2_5_vl``: liger-kernel 0.8.5's switch imports an output class that transformers
-    5.24 renamed and fails with an ImportError, and it also replaces transformers' classes for every model built
-    later in the process."""
+    5.24 renamed and fails with an ImportError, and it also replaces transformers' norm and MLP classes for every
+    model built later in the process. The rotary function is still replaced in transformers' module (below), as
+    liger does: it is a module-level function, not a part of the instance."""
     from liger_kernel.transformers import LigerRMSNorm, LigerSwiGLUMLP
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf
 
     holders = (hf.Qwen2_5_VLDecoderLayer, hf.Qwen2_5_VLTextModel, hf.Qwen2_5_VLVisionBlock)  # modules with norms
     for module in model.modules():
         if isinstance(module, hf.Qwen2_5_VLDecoderLayer):
+            if module.mlp.config.hidden_act not in ("silu", "swish"):  # liger's SwiGLU computes SiLU
+                raise ValueError(f"model.kernels=liger: the MLP activation is {module.mlp.config.hidden_act!r}, "
+                                 "liger's SwiGLU needs silu; use model.kernels: none")
             _bind(module.mlp, LigerSwiGLUMLP)
         if isinstance(module, holders):
             for name in ("input_layernorm", "post_attention_layernorm", "norm", "norm1", "norm2"):

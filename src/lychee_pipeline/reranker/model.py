@@ -268,7 +268,7 @@ class LycheeReranker(nn.Module):
         logits = last.float() @ weight.float().t()
         bias = getattr(self.base_model.lm_head, "bias", None)
         if bias is not None:
-            logits = logits + bias[[self.yes_id, self.no_id]].float()
+            logits = logits + torch.stack((bias[self.yes_id], bias[self.no_id])).float()
         return logits
 
     def full_logits(self, **batch: Any) -> torch.Tensor:

@@ -90,22 +90,37 @@ def _sdpa():
 
 @functools.cache
 def _varlen_attention():
-    """PyTorch's variable-length flash attention (``torch.nn.attention.varlen``, torch >= 2.10) with its causal
-    and grouped-query keywords for this torch release, or None where it is missing."""
+    """PyTorch's variable-length flash attention (``torch.nn.attention.varlen``) with its causal and grouped-query
+    keywords for this torch release, or None where it is missing or takes no ``scale`` (its first release)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     params = inspect.signature(varlen_attn).parameters
+    if "scale" not in params:
+        return None
     causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     return functools.partial(varlen_attn, **causal), "enable_gqa" in params
 
 
+@functools.cache
+def _flash_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)  # flash attention kernels: Ampere and newer
+
+
+def varlen_attention_ready(device: torch.device | str) -> bool:
+    """Whether scoring on ``device`` runs the packed pairs' attention as one variable-length flash call per layer:
+    a CUDA GPU of compute capability 8.0 or newer with flash SDPA allowed, and a torch that has the kernel."""
+    device = torch.device(device)
+    return (device.type == "cuda" and torch.backends.cuda.flash_sdp_enabled() and _varlen_attention() is not None
+            and _flash_capable(device.index if device.index is not None else torch.cuda.current_device()))
+
+
 def _varlen_ready(query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
-    """One variable-length attention call for all the pairs: on a CUDA device in half precision, without
-    gradients (scoring) and without a sliding window. Training keeps one SDPA call per pair."""
+    """One variable-length attention call for all the pairs: see :func:`varlen_attention_ready`, in half precision,
+    without gradients (scoring) and without a sliding window. Training keeps one SDPA call per pair."""
     return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not torch.is_grad_enabled()
-            and kwargs.get("sliding_window") is None and _varlen_attention() is not None)
+            and kwargs.get("sliding_window") is None and varlen_attention_ready(query.device))
 
 
 @torch.compiler.disable  # a graph break around attention: the loop over pairs is not traced into a compiled layer
@@ -256,9 +271,12 @@ class PackedBatch:
     vision_on_host: dict[str, Any] = field(default_factory=dict)
 
     def _map(self, fn) -> PackedBatch:
+        from .families import qwen2_5_vl
+
         moved = {name: fn(getattr(self, name)) if getattr(self, name) is not None else None
                  for name in ("input_ids", "position_ids", "last_index", "cu_seqlens", "pixel_values", "image_rows")}
-        return replace(self, **moved, vision_to_device={k: fn(v) for k, v in self.vision_to_device.items()})
+        return replace(self, **moved, vision_to_device={k: fn(v) for k, v in self.vision_to_device.items()},
+                       vision_on_host=qwen2_5_vl.map_segment_rows(self.vision_on_host, fn))
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -273,8 +291,8 @@ class PackedBatch:
 
 def pack_batch(vl_model: nn.Module, batch: dict[str, Any]) -> PackedBatch:
     """The :class:`PackedBatch` of a padded batch (processor outputs). Works on the host: a batch already on
-    the device is read back here (its token ids, mask and grids: one wait for the device), the pixels stay where
-    they are. ``vl_model`` is the ``Qwen2_5_VLModel`` (its config and ``get_rope_index``, no weights)."""
+    the device is read back here (its token ids, mask, token types and grids; the first read waits for the
+    device), the pixels stay where they are. ``vl_model`` is the ``Qwen2_5_VLModel`` (its config and ``get_rope_index``, no weights)."""
     from .families import qwen2_5_vl
 
     if batch.get("pixel_values_videos") is not None or batch.get("video_grid_thw") is not None:

@@ -193,7 +193,7 @@ def parse_record(text: str, max_text_chars: int = MAX_TEXT_CHARS) -> tuple[dict[
 #: Names read as JSON lines (lower-cased), optionally compressed (the compression is found by magic bytes).
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".jsonl.bz2", ".ndjson.bz2")
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".gif", ".webp", ".bmp", ".tif", ".tiff", ".heic", ".avif")
-_MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\x28\xb5\x2f\xfd": "zstd", b"PK\x03\x04": "zip"}
+_MAGIC = {b"\x28\xb5\x2f\xfd": "zstd", b"PK\x03\x04": "zip"}  # gzip and bzip2: by their whole header, below
 _UTF_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32 LE"), (b"\x00\x00\xfe\xff", "UTF-32 BE"),
              (b"\xff\xfe", "UTF-16 LE"), (b"\xfe\xff", "UTF-16 BE"))
 
@@ -240,6 +240,8 @@ def encoding_problem(file: str) -> str | None:
         with open_raw(file) as handle:
             head = handle.read(4)
     except _STREAM_ERRORS as error:
+        if compression_of(file) is None:  # a plain file that cannot be read: not a stream problem
+            raise
         return corrupt_stream(file, error)
     for bom, name in _UTF_BOMS:
         if head.startswith(bom):
@@ -395,7 +397,9 @@ def parse_chunk(args: tuple) -> dict[str, Any]:
         while whole or offset < end:
             try:
                 raw = handle.readline()
-            except _STREAM_ERRORS as error:  # only a compressed stream fails while being read
+            except _STREAM_ERRORS as error:
+                if not whole:  # a plain file that cannot be read: not a stream problem
+                    raise
                 raise ValueError(f"{file}, after line {number}: {corrupt_stream(file, error)}") from None
             if whole and not raw:
                 break

@@ -22,7 +22,7 @@ import math
 import os
 import types
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -472,10 +472,9 @@ class _Group:
     index: torch.Tensor | None  # row indices [count * length] otherwise
 
     def rows_on(self, device: torch.device) -> torch.Tensor:
-        """The row indices on ``device``: a plan built on the host copies them over once (no device sync)."""
-        if self.index.device != device:
-            self.index = self.index.to(device, non_blocking=True)
-        return self.index
+        """The row indices on ``device`` (a prepared batch's plan has them there already, see
+        :func:`map_segment_rows`; otherwise they are copied here)."""
+        return self.index if self.index.device == device else self.index.to(device, non_blocking=True)
 
 
 def _build_plan(cu_seqlens: torch.Tensor) -> list[_Group]:
@@ -506,6 +505,19 @@ def segment_plan(cu_seqlens: torch.Tensor) -> list[_Group]:
         except (AttributeError, RuntimeError):  # pragma: no cover - tensors normally take attributes
             pass
     return plan
+
+
+def map_segment_rows(inputs: dict[str, Any], fn) -> dict[str, Any]:
+    """``inputs`` with every segment-bound tensor's plan given row indices ``fn(index)`` (page-locked, moved to a
+    device), on a new handle of the same bounds: the plan built on the host stays as it was."""
+    mapped = dict(inputs)
+    for key, value in inputs.items():
+        plan = getattr(value, _PLAN_ATTR, None) if isinstance(value, torch.Tensor) else None
+        if plan is not None:
+            handle = value.view_as(value)
+            setattr(handle, _PLAN_ATTR, [g if g.index is None else replace(g, index=fn(g.index)) for g in plan])
+            mapped[key] = handle
+    return mapped
 
 
 def vision_inputs_on_host(vision_config: Any, image_grid_thw: torch.Tensor) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -554,7 +566,7 @@ def batched_vision_attention_forward(
     """``Qwen2_5_VLVisionAttention.forward`` with one attention call per distinct segment length."""
     hf = _hf_modeling()
     if hf.is_flash_attention_requested(self.config):  # flash-attn is already variable-length: keep it
-        cu_seqlens = cu_seqlens.to(hidden_states.device)  # prepared on the host (vision_inputs_on_host)
+        cu_seqlens = cu_seqlens.to(hidden_states.device, non_blocking=True)  # prepared on the host
         return getattr(self, _ORIG_FORWARD)(hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs)
 
     seq_length = hidden_states.shape[0]
