@@ -39,10 +39,12 @@ def test_a_sharded_strategy_that_cannot_run_on_cpu_is_refused_in_one_line(tmp_pa
 def test_accelerate_still_ignores_fsdp_on_cpu(tmp_path):
     """The reason for the fsdp2 refusal, checked on the installed Accelerate with 2 real gloo processes."""
     script = tmp_path / "state.py"
-    script.write_text(textwrap.dedent("""
+    # each process writes its own file: two processes printing to one pipe interleaved their lines on a loaded machine
+    script.write_text(textwrap.dedent(f"""
+        from pathlib import Path
         from accelerate import Accelerator
         a = Accelerator()
-        print("TYPE", a.process_index, a.distributed_type, flush=True)
+        Path({str(tmp_path)!r}, f"type_{{a.process_index}}.txt").write_text(str(a.distributed_type))
     """))
     config = tmp_path / "fsdp.yaml"
     config.write_text(textwrap.dedent(f"""
@@ -61,5 +63,5 @@ def test_accelerate_still_ignores_fsdp_on_cpu(tmp_path):
     env = dict(os.environ, ACCELERATE_USE_CPU="true", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                           str(script)], env=env, capture_output=True, text=True, timeout=120)
-    types = sorted(line.split()[-1] for line in out.stdout.splitlines() if line.startswith("TYPE"))
+    types = sorted(path.read_text() for path in tmp_path.glob("type_*.txt"))
     assert types == ["DistributedType.MULTI_CPU"] * 2, out.stdout + out.stderr[-2000:]

@@ -182,3 +182,24 @@ def test_rule_startup_gets_the_rendezvous_timeout_not_the_watchdog(tmp_path, sle
     assert dog.check() is None
     kind, reason = dog.check(now=time.time() + 61)
     assert kind == "silent" and "(no first step within training.launch.rendezvous_timeout_s)" in reason, reason
+
+
+def test_rule_two_exits_seen_at_once_name_the_rank_that_stopped_beating_first(tmp_path):
+    """On a loaded machine both ranks can be seen gone in the same poll (rank 1 left, rank 0 failed right after):
+    the one whose heartbeats stopped first is named as having exited first; a tie of both names nobody."""
+    pids = []
+    for _ in range(2):
+        proc = subprocess.Popen([sys.executable, "-c", "pass"])
+        proc.wait()
+        pids.append(proc.pid)
+    _beat(tmp_path, 0, pids[0], 3, "step", age_s=1)
+    _beat(tmp_path, 1, pids[1], 2, "step", age_s=4)  # rank 1 stopped beating three seconds earlier
+    dog = Watchdog(tmp_path, LAUNCH, devices=2)
+    dog.beats = heartbeat.read_heartbeats(tmp_path)
+    dog.note_exits()  # one poll sees both gone
+    assert dog.first_to_leave() == 1
+    assert "rank 1 at step 2 (step, 4 s ago, exited first)" in dog.describe() and "rank 0 at step 3 (step, 1 s ago, " \
+        "exited)" in dog.describe()
+    _beat(tmp_path, 1, pids[1], 2, "step", age_s=1)  # both stopped beating at the same time: nobody is named
+    dog.beats = heartbeat.read_heartbeats(tmp_path)
+    assert dog.first_to_leave() is None and "exited first" not in dog.describe()

@@ -242,17 +242,29 @@ class Watchdog:
     def _alive(self, record: dict) -> bool:
         return record.get("host") not in (None, self.host, os.uname().nodename) or _pid_alive(int(record["pid"]))
 
+    def first_to_leave(self) -> int | None:
+        """The rank that went away first, of two or more, or None when that cannot be told. Exits seen at once
+        (within 0.1 s; a loaded machine polls late) are told apart by the ranks' last heartbeats: the rank that
+        left first stopped beating first."""
+        if len(self.beats) < 2 or not self.exited_at:
+            return None
+        earliest = min(self.exited_at.values())
+        tied = [rank for rank, seen in self.exited_at.items() if seen - earliest <= 0.1]
+        if len(tied) == 1:
+            return tied[0]
+        last_beats = sorted((self.beats[rank]["time"], rank) for rank in tied if rank in self.beats)
+        if len(last_beats) == len(tied) and last_beats[0][0] < last_beats[1][0] - 0.1:
+            return last_beats[0][1]
+        return None
+
     def describe(self, now: float | None = None) -> str:
         """`rank 0 step 3 (step, 2 s ago, exited); rank 1 ...` from the last heartbeats read."""
         now = now or time.time()
         self.beats = heartbeat.read_heartbeats(self.stage_dir) or self.beats
         parts = []
+        first = self.first_to_leave()
         for rank, b in sorted(self.beats.items()):
-            state = "alive" if self._alive(b) else "exited"
-            if rank in self.exited_at and len(self.exited_at) < len(self.beats) + 1:
-                others = [t for r, t in self.exited_at.items() if r != rank]
-                if all(self.exited_at[rank] < t - 0.1 for t in others) and (others or len(self.beats) > 1):
-                    state = "exited first"
+            state = "exited first" if rank == first else "alive" if self._alive(b) else "exited"
             parts.append(f"rank {rank} at step {b['step']} ({b['phase']}, {now - b['time']:.0f} s ago, {state})")
         return "; ".join(parts) if parts else "no rank reported progress"
 
