@@ -203,3 +203,17 @@ def test_rule_two_exits_seen_at_once_name_the_rank_that_stopped_beating_first(tm
     _beat(tmp_path, 1, pids[1], 2, "step", age_s=1)  # both stopped beating at the same time: nobody is named
     dog.beats = heartbeat.read_heartbeats(tmp_path)
     assert dog.first_to_leave() is None and "exited first" not in dog.describe()
+    _beat(tmp_path, 0, pids[0], 2, "failed", age_s=1)  # ... unless one of them ended on an exception
+    dog.beats = heartbeat.read_heartbeats(tmp_path)
+    assert dog.first_to_leave() == 1 and "rank 1 at step 2 (step, 1 s ago, exited first)" in dog.describe()
+
+
+def test_a_rank_that_raises_beats_failed_at_its_last_step(tmp_path):
+    """``Heartbeat.on_uncaught_exception``: a real process that ends on an exception leaves phase ``failed``."""
+    script = (f"from lychee_pipeline.training.heartbeat import Heartbeat\n"
+              f"beat = Heartbeat({str(tmp_path)!r}, 1)\nbeat(4, 'step')\nbeat.on_uncaught_exception()\n"
+              "raise RuntimeError('peer vanished')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "peer vanished" in proc.stderr  # Python still prints the error
+    record = heartbeat.read_heartbeats(tmp_path)[1]
+    assert record["phase"] == "failed" and record["step"] == 4

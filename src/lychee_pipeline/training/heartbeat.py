@@ -44,6 +44,7 @@ class Heartbeat:
         self.unit, self.sharded = unit, sharded
         self.total: int | None = None  # given once (the first step's beat); repeated in every later record
         self.task: str | None = None
+        self.step = 0  # of the last beat
         self.started = time.time()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -60,6 +61,7 @@ class Heartbeat:
             self.total = int(total)
         if task is not None:
             self.task = task
+        self.step = step
         record = {"rank": self.rank, "pid": os.getpid(), "host": os.uname().nodename, "step": step, "phase": phase,
                   "time": time.time(), "distributed_type": self.distributed_type, "machine_rank": int(os.environ.get("GROUP_RANK", "0") or 0),
                   "total": self.total, "unit": self.unit, "task": self.task, "sharded": self.sharded}
@@ -69,6 +71,19 @@ class Heartbeat:
             os.replace(tmp, self.path)
         except OSError:
             pass
+
+
+    def on_uncaught_exception(self) -> None:
+        """Beat ``failed`` (at the last step) when the process ends on an exception, before Python prints it. The
+        launcher can then tell a rank that raised (often because a peer vanished) from one that left without a
+        word, when it sees both gone at once."""
+        previous = sys.excepthook
+
+        def hook(kind, value, traceback) -> None:
+            self(self.step, "failed")
+            previous(kind, value, traceback)
+
+        sys.excepthook = hook
 
 
 def read_heartbeats(stage_dir: str | Path) -> dict[int, dict]:

@@ -244,12 +244,16 @@ class Watchdog:
 
     def first_to_leave(self) -> int | None:
         """The rank that went away first, of two or more, or None when that cannot be told. Exits seen at once
-        (within 0.1 s; a loaded machine polls late) are told apart by the ranks' last heartbeats: the rank that
-        left first stopped beating first."""
+        (within 0.1 s; the ranks of a failing stage often go together) are told apart by the ranks' last
+        heartbeats: a rank that ended on an exception (phase ``failed``, often because a peer vanished) did not
+        leave first if another left without one; else the rank that stopped beating first left first."""
         if len(self.beats) < 2 or not self.exited_at:
             return None
         earliest = min(self.exited_at.values())
         tied = [rank for rank, seen in self.exited_at.items() if seen - earliest <= 0.1]
+        without_error = [rank for rank in tied if self.beats.get(rank, {}).get("phase") != "failed"]
+        if len(tied) > 1 and len(without_error) == 1:
+            return without_error[0]
         if len(tied) == 1:
             return tied[0]
         last_beats = sorted((self.beats[rank]["time"], rank) for rank in tied if rank in self.beats)

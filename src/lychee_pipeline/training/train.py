@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
           f"device {accelerator.device}", flush=True)
     beat = Heartbeat(out_dir, accelerator.process_index, str(accelerator.distributed_type))  # launcher watchdog
     beat(0, "started")
+    beat.on_uncaught_exception()
     if accelerator.device.type == "cpu":
         torch.set_num_threads(train.launch.threads_per_process)
     set_seed(train.seed, device_specific=False)
