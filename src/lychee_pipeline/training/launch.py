@@ -251,11 +251,11 @@ class Watchdog:
             return None
         earliest = min(self.exited_at.values())
         tied = [rank for rank, seen in self.exited_at.items() if seen - earliest <= 0.1]
-        without_error = [rank for rank in tied if self.beats.get(rank, {}).get("phase") != "failed"]
-        if len(tied) > 1 and len(without_error) == 1:
-            return without_error[0]
         if len(tied) == 1:
             return tied[0]
+        without_error = [rank for rank in tied if self.beats.get(rank, {}).get("phase") != "failed"]
+        if len(without_error) == 1:
+            return without_error[0]
         last_beats = sorted((self.beats[rank]["time"], rank) for rank in tied if rank in self.beats)
         if len(last_beats) == len(tied) and last_beats[0][0] < last_beats[1][0] - 0.1:
             return last_beats[0][1]

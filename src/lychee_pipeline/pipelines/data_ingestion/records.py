@@ -193,27 +193,21 @@ def parse_record(text: str, max_text_chars: int = MAX_TEXT_CHARS) -> tuple[dict[
 #: Names read as JSON lines (lower-cased), optionally compressed (the compression is found by magic bytes).
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".jsonl.bz2", ".ndjson.bz2")
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".gif", ".webp", ".bmp", ".tif", ".tiff", ".heic", ".avif")
-_MAGIC = {b"\x28\xb5\x2f\xfd": "zstd", b"PK\x03\x04": "zip"}  # gzip and bzip2: by their whole header, below
+# Each compression's header as far as it is fixed, so a text file that merely starts like one (a line "BZh...") is
+# read as text: gzip's magic and deflate method byte; bzip2's magic, block size digit, then the first block's or the
+# end-of-stream magic; zstd's frame magic; a zip's local file header.
+_HEADERS = (("gzip", re.compile(rb"\x1f\x8b\x08")),
+            ("bzip2", re.compile(rb"BZh[1-9](\x31\x41\x59\x26\x53\x59|\x17\x72\x45\x38\x50\x90)")),
+            ("zstd", re.compile(rb"\x28\xb5\x2f\xfd")), ("zip", re.compile(rb"PK\x03\x04")))
 _UTF_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32 LE"), (b"\x00\x00\xfe\xff", "UTF-32 BE"),
              (b"\xff\xfe", "UTF-16 LE"), (b"\xfe\xff", "UTF-16 BE"))
 
 
-# bzip2's header goes on past "BZh": a block size digit, then the first block's or the end-of-stream magic
-_BZIP2_HEADER = re.compile(rb"BZh[1-9](\x31\x41\x59\x26\x53\x59|\x17\x72\x45\x38\x50\x90)")
-
-
 def compression_of(file: str) -> str | None:
-    """``gzip``, ``bzip2``, ``zstd``, ``zip`` from the file's first bytes; ``None`` for plain text.
-
-    gzip and bzip2 are recognised by their whole header (gzip's deflate method byte, bzip2's block size and block
-    magic), so a text file that happens to start with ``BZh`` is read, and rejected, as text."""
+    """``gzip``, ``bzip2``, ``zstd``, ``zip`` from the file's first bytes (:data:`_HEADERS`); ``None`` for text."""
     with open(file, "rb") as handle:
         head = handle.read(10)
-    if head.startswith(b"BZh"):
-        return "bzip2" if _BZIP2_HEADER.match(head) else None
-    if head.startswith(b"\x1f\x8b"):
-        return "gzip" if head[2:3] == b"\x08" else None
-    return next((name for magic, name in _MAGIC.items() if head.startswith(magic)), None)
+    return next((name for name, header in _HEADERS if header.match(head)), None)
 
 
 def open_raw(file: str):
@@ -229,7 +223,8 @@ def open_raw(file: str):
 _STREAM_ERRORS = (EOFError, OSError, zlib.error)  # what reading a corrupt or truncated gzip / bzip2 stream raises
 
 
-def corrupt_stream(file: str, error: BaseException) -> str:
+def _corrupt_stream(file: str, error: BaseException) -> str:
+    """The reason given for a gzip / bzip2 file whose stream breaks while it is read."""
     return (f"its {compression_of(file)} stream is corrupt or cut short ({error}); re-export or re-compress "
             "the file")
 
@@ -242,7 +237,7 @@ def encoding_problem(file: str) -> str | None:
     except _STREAM_ERRORS as error:
         if compression_of(file) is None:  # a plain file that cannot be read: not a stream problem
             raise
-        return corrupt_stream(file, error)
+        return _corrupt_stream(file, error)
     for bom, name in _UTF_BOMS:
         if head.startswith(bom):
             return f"encoding {name} (byte-order mark {bom.hex(' ')}): re-save the file as UTF-8"
@@ -400,7 +395,7 @@ def parse_chunk(args: tuple) -> dict[str, Any]:
             except _STREAM_ERRORS as error:
                 if not whole:  # a plain file that cannot be read: not a stream problem
                     raise
-                raise ValueError(f"{file}, after line {number}: {corrupt_stream(file, error)}") from None
+                raise ValueError(f"{file}, after line {number}: {_corrupt_stream(file, error)}") from None
             if whole and not raw:
                 break
             number += 1
