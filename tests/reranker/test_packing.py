@@ -4,6 +4,8 @@ fp32 on the CPU, the built-in tiny Qwen2.5-VL, pairs of different lengths, with 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from PIL import Image
@@ -201,3 +203,17 @@ def test_a_host_prepared_forward_reads_nothing_back_from_the_device(make_model, 
         assert model(**meta_batch).shape == expected.shape
         with pytest.raises(NotImplementedError, match="no data"):
             model(**{k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in _model_batch(batch).items()})
+
+
+def test_host_pixels_travel_in_the_vision_towers_dtype_with_the_same_scores(make_model, tmp_path):
+    """A bf16 model: the host batch's pixels are cast to bf16 where they are prepared (half the bytes to copy to
+    the device); the tower casts them first thing anyway, so the logits equal those from float32 pixels."""
+    model = make_model(finetune="frozen", dtype="bf16")
+    model.eval()
+    batch = GroupCollator(model.processor, group_size=4)(_rows(tmp_path))
+    assert batch["pixel_values"].dtype == torch.float32
+    with torch.no_grad():
+        prepared = model.host_inputs(batch)["packed"]
+        assert prepared.pixel_values.dtype == torch.bfloat16
+        with_float_pixels = dataclasses.replace(prepared, pixel_values=batch["pixel_values"])
+        torch.testing.assert_close(model(packed=prepared), model(packed=with_float_pixels), rtol=0, atol=0)

@@ -283,8 +283,9 @@ class Reranker:
         trained. Without one (or for None), the instruction follows the pair's own modalities.
 
         Pairs are sorted by length within chunks (little padding). Host threads prepare the next batches
-        (image decoding, tokenization, the processor) while the model runs. On a GPU each batch's scores are
-        copied to page-locked host memory without waiting; the host waits only to stay at most
+        (image decoding, tokenization, the processor) while the model runs. On a GPU each batch's inputs are
+        copied to the device on a stream of their own, beside the device's work on the batch before, and its
+        scores are copied to page-locked host memory without waiting; the host waits only to stay at most
         ``IN_FLIGHT`` batches ahead of the device (its inputs hold device memory) and once at the end.
         """
         if task_types is not None:
@@ -299,22 +300,33 @@ class Reranker:
         device = self.model.device
         on_gpu = device.type == "cuda"
         results: list[tuple[list[int], torch.Tensor]] = []
-        launched: deque = deque()  # events of the batches the device may still be working on
+        # (event, device inputs) of the batches the device may still be working on: the inputs are held until
+        # their event, as they were copied on another stream, whose allocations could otherwise be reused early
+        launched: deque = deque()
+        copies = torch.cuda.Stream(device) if on_gpu else None
         try:
             with torch.inference_mode():
                 for positions, batch in self._prefetched(pairs):
-                    probs = self.model.probabilities(self.model(**to_device(batch, device)))
+                    if on_gpu:  # copied on their own stream, beside the device's work on the batch before
+                        compute = torch.cuda.current_stream(device)
+                        with torch.cuda.stream(copies):
+                            inputs = to_device(batch, device)
+                        compute.wait_stream(copies)
+                    else:
+                        inputs = to_device(batch, device)
+                    probs = self.model.probabilities(self.model(**inputs))
                     if on_gpu:
                         host = torch.empty(probs.shape, dtype=probs.dtype, pin_memory=True)
                         host.copy_(probs, non_blocking=True)  # lands when the device gets there
-                        launched.append(torch.cuda.Event())
-                        launched[-1].record(torch.cuda.current_stream(device))
+                        launched.append((torch.cuda.Event(), inputs))
+                        launched[-1][0].record(compute)
                         if len(launched) > IN_FLIGHT:
-                            launched.popleft().synchronize()  # the device still has the newer batches queued
+                            launched.popleft()[0].synchronize()  # the device still has the newer batches queued
                         probs = host
                     results.append((positions, probs))
                 if launched:
-                    launched[-1].synchronize()  # the one wait for the last scores
+                    launched[-1][0].synchronize()  # the one wait for the last scores
+                launched.clear()
         finally:
             self.model.train(was_training)
         for positions, probs in results:
