@@ -1,5 +1,6 @@
 """Check the training and inference paths on CUDA in bf16 with builtin:tiny: one stage through the real
-launcher (`accelerate launch`, 1 GPU, bf16), then the saved model scored in bf16 against fp32.
+launcher (`accelerate launch`, 1 GPU, bf16), then the saved model scored in bf16 against fp32, and a scoring
+call stopped by a broken image in its last batch (the next call must score as before).
 
 Needs torch, transformers, peft, accelerate, datasets, pyyaml, pydantic (the stage contract); no kedro, no mlflow.
 Prints its figures.
@@ -83,6 +84,26 @@ def main() -> None:
     fp32 = Reranker.from_pretrained(saved, device="cuda", dtype="fp32").score_pairs(pairs)
     print("scores bf16", [round(s, 4) for s in bf16], "fp32", [round(s, 4) for s in fp32],
           "max diff", round(max(abs(a - b) for a, b in zip(bf16, fp32)), 4))
+
+    # a JPEG cut short in the last of several batches: its error reaches the caller after earlier batches were
+    # launched (inputs copied on the scorer's own stream), and the same scorer's next call scores as before
+    from PIL import Image
+
+    from lychee_pipeline.reranker.collate import BrokenImageError
+
+    whole, cut = work / "data/whole.jpg", work / "data/cut.jpg"
+    Image.effect_noise((800, 800), 60).convert("RGB").save(whole, quality=90)
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    many = [(q, {**d, "image": str(whole)} if "image" in d else d) for q, d in pairs * 12]
+    scorer = Reranker.from_pretrained(saved, device="cuda", dtype="bf16", batch_size=4)
+    clean = scorer.score_pairs(many)
+    try:
+        scorer.score_pairs(many + [({"text": "red dress"}, {"text": "a red dress", "image": str(cut)})])
+        stopped = "no error raised"
+    except BrokenImageError as exc:
+        stopped = f"BrokenImageError ({exc})"
+    print(f"{len(many) + 1} pairs, the last one's JPEG cut short: {stopped}; the next call's {len(many)} scores "
+          f"equal the first call's: {scorer.score_pairs(many) == clean}")
 
 
 if __name__ == "__main__":

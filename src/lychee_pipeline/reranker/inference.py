@@ -324,10 +324,10 @@ class Reranker:
                             launched.popleft()[0].synchronize()  # the device still has the newer batches queued
                         probs = host
                     results.append((positions, probs))
-                if launched:
-                    launched[-1][0].synchronize()  # the one wait for the last scores
-                launched.clear()
         finally:
+            if launched:  # the one wait for the last scores; on an error, too, before the inputs are let go
+                launched[-1][0].synchronize()
+            launched.clear()
             self.model.train(was_training)
         for positions, probs in results:
             for i, p in zip(positions, probs.float().tolist()):
