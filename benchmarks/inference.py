@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="in-memory 448x448 images (default) or JPEG files: 800x800 or mixed sizes")
     parser.add_argument("--text-tokens", type=int, default=None, help="mean text tokens per pair")
     parser.add_argument("--jpeg-count", type=int, default=48, help="distinct JPEG files (cycled over documents)")
-    parser.add_argument("--workers", default="auto", help="the core's prepare_workers (host threads; auto: 1)")
+    parser.add_argument("--workers", default="auto", help="the core's prepare_workers (host threads; auto: 2 with "
+                        "variable-length attention on CUDA and 4 CPUs, else 1)")
     parser.add_argument("--first-batch", default="auto", help="the core's first_batch (pairs of a smaller first "
                                                                "batch; auto: batch/4 on a GPU, 0 on a CPU)")
     parser.add_argument("--previous", action="store_true", help="also time the core as it was before the pool and "

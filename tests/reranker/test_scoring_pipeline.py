@@ -189,3 +189,11 @@ def test_the_fast_image_processor_is_used_exactly_when_torchvision_is_installed(
     from lychee_pipeline.reranker.families.qwen2_5_vl import image_processor_kind
 
     assert image_processor_kind(reranker.model.processor) == ("fast" if is_torchvision_available() else "pil")
+
+
+def test_auto_prepares_in_one_thread_where_the_model_shares_the_cpu(reranker):
+    """Two preparing threads only on a GPU whose packed attention is one variable-length call per layer (the
+    launching thread is then light); on a CPU the host threads and the model share the cores."""
+    assert Reranker(reranker.model).prepare_workers == "auto"
+    assert Reranker(reranker.model)._workers() == 1
+    assert Reranker(reranker.model, prepare_workers=3)._workers() == 3

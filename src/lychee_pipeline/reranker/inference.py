@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import queue
 import threading
 from collections import deque
@@ -23,7 +24,7 @@ import torch
 
 from .collate import DEFAULT_MAX_LENGTH, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PairCollator
 from .model import LycheeReranker, ModelConfig, load_reranker, processing_of, read_metadata
-from .packing import PackedBatch
+from .packing import PackedBatch, varlen_attention_ready
 from .processing import ProcessingConfig
 from .prompt import instruction_for
 
@@ -67,9 +68,12 @@ class Reranker:
         self.chunk_size = int(batch_size) * max(int(chunk_batches), 1)
         # batches prepared ahead by the host thread (0: prepare each batch in the calling thread, no overlap)
         self.prefetch_batches = max(int(prefetch_batches), 0)
-        # host threads preparing batches (auto: one). More threads contend for the GIL with the thread that
-        # launches the model's kernels: on one H200 (7B, 800x800 JPEGs) 4 threads gave 0.87 of the GPU-only rate
-        # and 2 gave 0.91, one 0.95 (docs/benchmarks.md, 2026-12-03). Each extra thread has its own processor copy
+        # host threads preparing batches (auto: two where the packed attention is one variable-length call per
+        # layer, else one). They contend for the GIL with the thread that launches the model's kernels: with one
+        # attention call per pair and layer, on one H200 (7B, 800x800 JPEGs) 4 threads gave 0.87 of the GPU-only
+        # rate, 2 gave 0.91 and one 0.95; with the variable-length call the launching thread is light and 2
+        # threads lifted a 128-pair call on mixed sizes from 0.83 to 0.91, 384 pairs unchanged (16.07 against
+        # 16.02-16.08 pairs/s) (docs/benchmarks.md, 2026-12-03 and -04). Each extra thread has its own processor
         self.prepare_workers = prepare_workers
         # pairs of a first, smaller batch, so the device starts before a full batch is ready (auto: a quarter
         # batch on a GPU; 0 on a CPU, where the host and the model share the cores and nothing would overlap)
@@ -129,7 +133,12 @@ class Reranker:
 
     # -- scoring ----------------------------------------------------------------------------------
     def _workers(self) -> int:
-        return 1 if self.prepare_workers == "auto" else max(int(self.prepare_workers), 1)
+        if self.prepare_workers != "auto":
+            return max(int(self.prepare_workers), 1)
+        device = self.model.device
+        light_launches = device.type == "cuda" and self.model.config.pack_pairs and varlen_attention_ready(device)
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return 2 if light_launches and cpus >= 4 else 1
 
     def _first_batch(self) -> int:
         if self.first_batch == "auto":
