@@ -171,3 +171,31 @@ def test_the_runner_says_once_which_node_completed():
     assert shown == ["Running node: run_stage: run_stage_slot([...]) -> [...]",
                      "Completed node: training.train_stage_1.run_stage (5 out of 39 tasks)",
                      "Completed 6 out of 39 tasks", "Pipeline execution completed successfully in 1.0 sec."]
+
+
+@pytest.mark.parametrize("override", ["smoke.training.max_steps=3", "data_processing.normalization.min_negatives=0"])
+def test_a_local_data_block_and_a_nested_param_keep_the_rest_of_the_block(tmp_path, override):
+    """The README's first way to own data is a `data:` block in conf/local/parameters.yml. Beside it, a nested
+    `--params` (parsed as the CLI parses it, loaded with the project's settings) changes one key and keeps its
+    block's other keys: Kedro's default merge replaced the whole `smoke:` block and the run stopped on a missing
+    params:smoke.sample_size."""
+    from kedro.config import OmegaConfigLoader
+    from kedro.framework.cli.utils import _split_params
+
+    from lychee_pipeline import settings
+
+    shutil.copytree(REPO / "conf" / "base", tmp_path / "base")
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local" / "parameters.yml").write_text("data:\n  raw_path: /data/shop/jsonl\n")
+    runtime = _split_params(None, None, override)
+    base = OmegaConfigLoader(str(tmp_path), **settings.CONFIG_LOADER_ARGS)["parameters"]
+    params = OmegaConfigLoader(str(tmp_path), runtime_params=runtime, **settings.CONFIG_LOADER_ARGS)["parameters"]
+    key, value = override.split("=")
+    top, *path = key.split(".")
+    expected = json.loads(json.dumps(base[top]))
+    node = expected
+    for part in path[:-1]:
+        node = node[part]
+    node[path[-1]] = int(value)
+    assert params[top] == expected  # one key changed, every other key of the block kept
+    assert params["data"]["raw_path"] == "/data/shop/jsonl" and params["data"]["image_roots"] == []

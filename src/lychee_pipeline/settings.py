@@ -13,6 +13,10 @@ CONFIG_LOADER_CLASS = OmegaConfigLoader
 CONFIG_LOADER_ARGS = {
     "base_env": "base",
     "default_run_env": "local",
+    # keys of conf/local/ and of --params are merged into conf/base/ key by key: with Kedro's default
+    # (destructive), a `data:` block in conf/local/parameters.yml made `--params smoke.training.max_steps=3`
+    # replace the whole `smoke:` block, and the run stopped on a missing params:smoke.sample_size
+    "merge_strategy": {"parameters": "soft"},
     "config_patterns": {
         # kedro-mlflow reads conf/<env>/mlflow.yml through this pattern.
         "mlflow": ["mlflow*", "mlflow*/**"],

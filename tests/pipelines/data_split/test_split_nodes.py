@@ -111,3 +111,10 @@ def test_hash_split_keeps_pins_and_groups():
 def test_unknown_split_method_is_refused():
     with pytest.raises(ValueError, match="split.method"):
         split_records(_table(3, 1), {**SPLIT, "method": "random"})
+
+
+def test_nothing_to_split_is_a_warning_naming_where_the_reasons_are(caplog):
+    with caplog.at_level(logging.WARNING):
+        train, val, test, counts = split_records(_table(0, 1), SPLIT)
+    assert train.num_rows == val.num_rows == test.num_rows == counts["train_size"] == 0
+    assert "no records to split" in caplog.text and "quarantined_records" in caplog.text

@@ -81,6 +81,9 @@ def split_records(normalized_records: pa.Table, split: dict[str, Any]) -> tuple[
     counts = {f"{name}_size": part.num_rows for name, part in zip(SPLITS, parts)}
     by_split = Counter(assigned.values())
     counts.update({f"{name}_queries": n for name, n in by_split.items()})
+    if not assigned:
+        logger.warning("split: no records to split: every record was rejected or quarantined (reasons in "
+                       "rejected_lines and quarantined_records)")
     for name in SPLITS:  # the achieved share of queries, to compare with the configured ratios
         counts[f"{name}_ratio"] = round(by_split.get(name, 0) / len(assigned), 4) if assigned else 0.0
         if ratios[name] > 0 and assigned and not by_split.get(name):
