@@ -249,9 +249,9 @@ def export_training_table(train_records: pa.Table, plan: TrainingPlan) -> str:
     """
     if train_records.num_rows == 0:  # before a launch, whose ranks would fail on an empty table far from the cause
         raise ValueError(
-            "the training split has no records: the data layer refused, quarantined or split away every record; "
-            "the reasons are in data/03_primary/quarantined_records.parquet and data/02_intermediate/rejected_lines.jsonl "
-            "(a wrong data.image_roots quarantines every record with an image as 'image not found')")
+            "the training split has no records: the data layer refused, quarantined or split away every record; the "
+            "reasons are in data/03_primary/quarantined_records.parquet and data/02_intermediate/rejected_lines.jsonl"
+            " (a wrong data.image_roots quarantines every record with an image as 'image not found')")
     group_size = plan.training.group_size
     policy = plan.training.negative_fill
     short = short_group_counts(train_records, group_size)
