@@ -57,19 +57,41 @@ def load_scorer(model_uri: str) -> Any:
     return mlflow.pyfunc.load_model(model_uri).unwrap_python_model().reranker
 
 
+def _unknown_model_version(client: Any, uri: str, name: str, wanted: str) -> str:
+    """One line for a ``models:/`` URI that names no version: which versions exist, and why an alias may be unset."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    store = mlflow.get_tracking_uri()
+    try:
+        versions = sorted(int(v.version) for v in client.search_model_versions(f"name='{name}'"))
+    except MlflowException:
+        versions = []
+    if not versions:
+        return f"{uri}: no registered model {name!r} in {store} (a `full` run registers one)"
+    why = (" (a version gets an alias only when it passes the promotion gate; data/08_reporting/registry_report.md "
+           "says why it did not)") if wanted.startswith("alias") else ""
+    return (f"{uri}: {name!r} has no {wanted} in {store}{why}; its versions: {', '.join(map(str, versions))}; "
+            f"pass one, e.g. models:/{name}/{versions[-1]}")
+
+
 def describe_model_uri(uri: str) -> dict[str, Any]:
     """``models:/name@alias`` or ``models:/name/version`` -> the registered name, version and run it came from."""
     import mlflow
+    from mlflow.exceptions import MlflowException
 
     rest = uri[len("models:/"):]
     client = mlflow.MlflowClient()
     if "@" in rest:
         name, alias = rest.split("@", 1)
-        version = client.get_model_version_by_alias(name, alias)
+        number, wanted = None, f"alias {alias!r}"
     else:
         name, _, number = rest.partition("/")
-        alias = None
-        version = client.get_model_version(name, number)
+        alias, wanted = None, f"version {number}"
+    try:
+        version = client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, number)
+    except MlflowException as exc:
+        raise ValueError(_unknown_model_version(client, uri, name, wanted)) from exc
     return {"model_name": name, "model_version": int(version.version), "model_alias": alias,
             "model_run_id": version.run_id}
 

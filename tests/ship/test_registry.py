@@ -94,3 +94,24 @@ def test_champion_gate_first_version_then_refused_then_replaced(champion_project
         assert fourth["reason"].startswith("not promoted: the current champion (version 3) could not be scored")
         assert client.get_model_version(NAME, "4").tags["gate.reason"] == fourth["reason"]
         assert str(client.get_model_version_by_alias(NAME, "champion").version) == "3"
+
+
+def test_a_models_uri_without_its_version_is_one_line_naming_the_versions(tmp_path):
+    """After a `full` run whose versions all failed the gate, `models:/<name>@champion` (the README's serve and
+    rerank commands) names the versions there are and the report that says why, instead of MLflow's
+    'alias not found' in a traceback; a missing model or version is named the same way."""
+    from lychee_pipeline.registry import describe_model_uri
+
+    with mlflow_store(tmp_path):
+        with pytest.raises(ValueError, match="no registered model 'never-registered'"):
+            describe_model_uri("models:/never-registered@champion")
+        client = mlflow.MlflowClient()
+        client.create_registered_model(NAME)
+        for _ in range(2):
+            client.create_model_version(NAME, source=str(tmp_path))
+        with pytest.raises(ValueError, match=rf"models:/{NAME}@champion: '{NAME}' has no alias 'champion' .*"
+                                             rf"registry_report.md.*its versions: 1, 2; pass one, e.g. models:/{NAME}/2"):
+            describe_model_uri(f"models:/{NAME}@champion")
+        with pytest.raises(ValueError, match=r"has no version 7 .*its versions: 1, 2"):
+            describe_model_uri(f"models:/{NAME}/7")
+        assert describe_model_uri(f"models:/{NAME}/2")["model_version"] == 2
