@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pyarrow.parquet as pq
 from kedro.io import DataCatalog, MemoryDataset
 from kedro.runner import SequentialRunner
@@ -29,11 +31,16 @@ def _data_pipeline():
     return data_ingestion.create_pipeline() + image_normalization.create_pipeline() + data_split.create_pipeline()
 
 
-def test_bad_corpus_through_all_data_pipelines(data_bad_corpus, tmp_path):
+def test_bad_corpus_through_all_data_pipelines(data_bad_corpus, tmp_path, caplog):
     data = {**DATA, "raw_path": str(data_bad_corpus["jsonl"]), "image_roots": [str(data_bad_corpus["root"])]}
     catalog = _catalog(data, {}, str(tmp_path / "manifest.parquet"))
-    SequentialRunner().run(_data_pipeline(), catalog)
+    with caplog.at_level(logging.WARNING):
+        SequentialRunner().run(_data_pipeline(), catalog)
     counts = catalog.load("data_counts")
+    # every quarantined record (up to 5) gets a log line with its reason, as rejected lines do
+    quarantined = catalog.load("quarantined_records").to_pylist()
+    for row in quarantined[:5]:
+        assert f"quarantined {row['record_id']}: {row['reason']}" in caplog.text
     assert counts["lines_in"] == counts["clean"] + counts["rejected"] + counts["duplicates"]
     assert counts["rejected"] == len(data_bad_corpus["rejected"])
     assert counts["quarantined"] == len(data_bad_corpus["quarantined"]) and counts["negatives_removed"] == 2

@@ -192,4 +192,10 @@ def normalize_records(
         raise AssertionError(f"count invariant broken: {counts}")
     logger.info("normalization: records_in=%d == normalized=%d + quarantined=%d; negatives removed=%d",
                 counts["records_in"], counts["normalized"], counts["quarantined"], counts["negatives_removed"])
+    for record_id, reason in zip(quarantined.column("record_id").to_pylist()[:5],
+                                 quarantined.column("reason").to_pylist()[:5]):
+        logger.warning("quarantined %s: %s", record_id, reason)
+    if quarantined.num_rows > 5:
+        logger.warning("... %d quarantined records in all: see quarantined_records "
+                       "(data/03_primary/quarantined_records.parquet)", quarantined.num_rows)
     return normalized, quarantined, pa.Table.from_pylist(removed, schema=REMOVED_NEGATIVE_SCHEMA), counts

@@ -68,6 +68,8 @@ def summarize_run(data_counts: dict[str, Any], stage_results: list[dict], evalua
         "records_in": data_counts.get("lines_in"),
         "records_clean": data_counts.get("clean"),
         "rejected": data_counts.get("rejected"),
+        "duplicates": data_counts.get("duplicates"),
+        "records_normalized": data_counts.get("normalized"),
         "quarantined": data_counts.get("quarantined"),
         "train_records": data_counts.get("train_size"),
         "test_records": data_counts.get("test_size"),
@@ -86,9 +88,10 @@ def summarize_run(data_counts: dict[str, Any], stage_results: list[dict], evalua
         summary["registry_report"] = "data/08_reporting/registry_report.md"
         registry_text = f"; registry: {summary_line(registry_outcome)}"
     log.info(
-        "run summary: %s lines in -> %s clean (%s rejected, %s quarantined); stages: %s; MRR@10 base %s -> fine-tuned %s;"
-        " report: %s%s",
-        summary["records_in"], summary["records_clean"], summary["rejected"], summary["quarantined"],
+        "run summary: %s lines in -> %s clean (%s rejected, %s duplicate) -> %s normalized (%s quarantined); stages: %s;"
+        " MRR@10 base %s -> fine-tuned %s; report: %s%s",
+        summary["records_in"], summary["records_clean"], summary["rejected"], summary["duplicates"],
+        summary["records_normalized"], summary["quarantined"],
         "; ".join(summary["stages"]), _fmt(summary["mrr_at_10_base"]), _fmt(summary["mrr_at_10_finetuned"]),
         summary["report"], registry_text,
     )
