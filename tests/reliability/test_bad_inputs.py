@@ -195,6 +195,11 @@ def test_a_hub_id_and_an_existing_folder_are_accepted(tmp_path):
         planning.check_model_source(name)
 
 
-def test_empty_training_table_still_plans(tmp_path):
+def test_an_empty_training_table_stops_before_any_launch_naming_where_the_reasons_are(tmp_path):
+    """Every record quarantined (a wrong data.image_roots): one line naming the datasets that hold the reasons,
+    before a stage is launched (whose ranks failed on 'BatchSize must be greater than 0'); nothing is written."""
     empty = pa.Table.from_pylist([], schema=make_table(tmp_path).schema)
-    assert Path(nodes.export_training_table(empty, stage_plan(tmp_path))).is_file()
+    plan = stage_plan(tmp_path)
+    with pytest.raises(ValueError, match="training split has no records.*quarantined_records.parquet.*image not found"):
+        nodes.export_training_table(empty, plan)
+    assert not list(Path(plan["run_dir"]).rglob("train.parquet"))

@@ -110,14 +110,3 @@ def test_gate_stops_replicas_out_of_sync():
     with pytest.raises(StageGateError, match="'replicas in sync' failed"):
         check_stage(_result([1.0, 0.8, 0.6], diff=0.1), _plan().stages.gate)
 
-
-def test_an_empty_training_split_stops_before_any_launch_naming_where_the_reasons_are(tmp_path):
-    """Every record quarantined (a wrong data.image_roots): one line naming the datasets that hold the reasons,
-    before a stage is launched (whose ranks failed on 'BatchSize must be greater than 0')."""
-    from lychee_pipeline.schema import MODEL_INPUT_SCHEMA
-    from lychee_pipeline.training.planning import export_training_table
-
-    plan = plan_training({}, {"group_size": 4}, {}, 1, "cpu", {"name": "empty", "output_root": str(tmp_path)})
-    with pytest.raises(ValueError, match="training split has no records.*quarantined_records.parquet.*image not found"):
-        export_training_table(MODEL_INPUT_SCHEMA.empty_table(), plan)
-    assert not list(tmp_path.rglob("train.parquet"))
