@@ -110,3 +110,18 @@ def test_gate_stops_replicas_out_of_sync():
     with pytest.raises(StageGateError, match="'replicas in sync' failed"):
         check_stage(_result([1.0, 0.8, 0.6], diff=0.1), _plan().stages.gate)
 
+
+
+def test_the_slots_a_run_does_not_use_are_named_once_in_the_log(caplog):
+    """`full --params gpus=2` shows a "Running node" line for every slot up to train_stage_128: one line says which
+    of them run nothing."""
+    import logging
+
+    from lychee_pipeline.pipelines.training.nodes import assign_stage_slots
+
+    with caplog.at_level(logging.INFO):
+        slots = assign_stage_slots(_plan_for(2).model_dump())
+    assert [s["devices"] for s in slots][:3] == [1, None, None] and slots[-1] == {"devices": 2, "final": True}
+    line = next(r.getMessage() for r in caplog.records if "are not used" in r.getMessage())
+    assert line.startswith("stage slots train_stage_2, train_stage_4,") and "train_stage_128" in line
+    assert "train_stage_1," not in line and "with gpus=2" in line

@@ -6,6 +6,7 @@ into their typed models (`TrainingPlan`, `StageSlot`, `StageResult`) and back.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pyarrow as pa
@@ -17,6 +18,8 @@ from lychee_pipeline.training.planning import ParameterError, StageSlot, Trainin
 __all__ = ["ParameterError", "StageGateError", "assign_stage_slots", "check_stage", "collect_stage_results",
            "export_training_table", "final_stage_slot", "plan_smoke_training", "plan_training", "run_stage_slot",
            "run_training_stage"]
+
+log = logging.getLogger(__name__)
 
 
 def plan_training(model: dict, training: dict, stages: dict, gpus: int, device: str, run: dict,
@@ -34,7 +37,13 @@ def plan_smoke_training(model: dict, training: dict, stages: dict, device: str, 
 
 def assign_stage_slots(plan: dict) -> list[dict]:
     """One slot per check rung, then the final stage (a rung the ladder does not need runs nothing)."""
-    return [slot.model_dump() for slot in TrainingPlan.model_validate(plan).stage_slots()]
+    typed_plan = TrainingPlan.model_validate(plan)
+    slots = typed_plan.stage_slots()
+    unused = [f"train_stage_{d}" for d, slot in zip(planning.rung_devices(), slots) if slot.devices is None]
+    if unused:  # Kedro still logs "Running node" for each of them
+        log.info("stage slots %s are not used with gpus=%d: they pass through without launching anything",
+                 ", ".join(unused), typed_plan.gpus)
+    return [slot.model_dump() for slot in slots]
 
 
 def final_stage_slot(plan: dict) -> dict:
