@@ -153,3 +153,23 @@ def test_a_scoring_launch_shows_each_model_to_the_end(tmp_path, caplog):
     assert "scoring base: 21/21 pairs (100%)" in "\n".join(lines), lines
     assert "scoring stage_1cpu_final: 21/21 pairs (100%)" in lines[-1], lines
     assert len(lines) <= 5, lines
+
+
+def test_counted_work_in_a_file_is_a_few_plain_lines(caplog, capsys):
+    """The image check and mining count their own work: in a log file (not a terminal) they write plain lines
+    like a stage's, never a bar redrawn with carriage returns and cursor codes."""
+    import logging
+
+    from lychee_pipeline.training.progress import CountedProgress
+
+    with caplog.at_level(logging.INFO, logger="lychee_pipeline.training.progress"):
+        progress = CountedProgress("checking images", 500, "image")
+        for _ in range(500):
+            progress.update()
+        progress.close()
+        CountedProgress("mining negatives", 10, "record", enabled=False).update(10)  # progress off: nothing
+    lines = [r.getMessage() for r in caplog.records]
+    assert 1 <= len(lines) <= 11 and lines[-1].startswith("checking images: 500/500 images (100%)")
+    assert not any("mining" in line for line in lines)
+    printed = capsys.readouterr()
+    assert "\r" not in printed.err + printed.out and "\x1b[" not in printed.err + printed.out

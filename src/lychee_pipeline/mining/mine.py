@@ -159,10 +159,10 @@ def _signatures(paths: Sequence[str], cache: MiningCache, hash_size: int, progre
     found = cache.get_images(unique, hash_size)
     missing = [p for p in unique if p not in found]
     if missing:
-        from tqdm.auto import tqdm
+        from lychee_pipeline.training.progress import CountedProgress
 
         chunks = [missing[i : i + 256] for i in range(0, len(missing), 256)]
-        bar = tqdm(total=len(missing), desc="mining: image hashes", disable=not progress, mininterval=5)
+        bar = CountedProgress("mining: image hashes", len(missing), "image", enabled=progress)
         if workers > 1 and len(chunks) > 1:
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
@@ -267,7 +267,9 @@ class _Scorer:
         self.chunk = 1024
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(desc="mining: rescoring pairs", unit="pair", disable=not progress, mininterval=10)
+        # no total known: a bar on a terminal only (the records' progress below has the plain lines of a file)
+        self.bar = tqdm(desc="mining: rescoring pairs", unit="pair", disable=None if progress else True,
+                        mininterval=10)
         self.pairs = self.scored = self.hits = 0  # pairs asked, scored by the model (unique), found in the cache
         self.seconds = 0.0
 
@@ -311,7 +313,7 @@ def mine_table(
                             LOG_SCHEMA.empty_table(), {})
     pool = _Pool(table)
     counts["documents"] = len(pool.docs)
-    from tqdm.auto import tqdm
+    from lychee_pipeline.training.progress import CountedProgress
 
     with MiningCache(p.cache_path) as cache:
         t0 = time.perf_counter()
@@ -332,7 +334,7 @@ def mine_table(
         n = {"candidates": 0, "rescored_candidates": 0, "false_negatives": 0, "fn_same_text": 0, "fn_near_image": 0,
              "fn_margin": 0, "mined": 0, "random": 0, "random_fill": 0, "queries_short": 0, "queries_without_candidates": 0}
         t_first = 0.0
-        bar = tqdm(total=table.num_rows, desc="mining negatives", disable=not p.progress, mininterval=5)
+        bar = CountedProgress("mining negatives", table.num_rows, "record", enabled=p.progress)
         for start in range(0, table.num_rows, p.batch_queries):
             rows = table.slice(start, p.batch_queries).to_pylist()
             t1 = time.perf_counter()

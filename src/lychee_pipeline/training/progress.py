@@ -198,3 +198,30 @@ class StageProgress:
         if self.loss is not None and progress.unit == "step":
             parts.append(f"loss {self.loss:.4f}")
         log.info("%s", ", ".join(parts))
+
+
+class CountedProgress:
+    """Progress of work counted in this process (images checked, records mined): the same bar, or plain lines in
+    a file, as a stage's, fed with counts instead of the ranks' records. ``update(n)`` adds n; ``close()``
+    always. ``enabled`` False shows nothing."""
+
+    def __init__(self, label: str, total: int, unit: str, enabled: bool = True):
+        self.view = StageProgress(label) if enabled and total else None
+        self.done, self.total, self.unit = 0, total, unit
+        self._shown_at = 0.0
+
+    def _show(self) -> None:
+        self.view.update({0: {"step": self.done, "total": self.total, "unit": self.unit}})
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        now = time.monotonic()
+        # at most twice a second: a bar redraws at that rate, and a file gets its lines by work done or by time
+        if self.view is not None and (now - self._shown_at >= 0.5 or self.done >= self.total):
+            self._shown_at = now
+            self._show()
+
+    def close(self) -> None:
+        if self.view is not None:
+            self._show()
+            self.view.close()

@@ -9,7 +9,6 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from tqdm.auto import tqdm
 
 from lychee_pipeline.pipelines.image_normalization.images import (
     MAX_ASPECT_RATIO,
@@ -20,6 +19,7 @@ from lychee_pipeline.pipelines.image_normalization.images import (
 )
 from lychee_pipeline.project import stored_path
 from lychee_pipeline.schema import MANIFEST_SCHEMA, MODEL_INPUT_SCHEMA, QUARANTINE_SCHEMA, REMOVED_NEGATIVE_SCHEMA
+from lychee_pipeline.training.progress import CountedProgress
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def check_images(
         else:
             todo.append(path)
     logger.info("images: %d unique, %d reused from the manifest, %d to check", len(paths), len(rows), len(todo))
-    progress = tqdm(total=len(todo), desc="checking images", unit="img", disable=not todo)
+    progress = CountedProgress("checking images", len(todo), "image")
     if workers > 1 and len(todo) > 64:
         # spawn: workers start small instead of inheriting a copy of this process's memory
         with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
