@@ -214,9 +214,10 @@ def score_and_rank(candidates: dict[str, Any], rerank: dict[str, Any]) -> tuple[
                     "scores": "data/07_model_output/rerank_scores.parquet",
                     "summary": "data/08_reporting/rerank_summary.json"},
     }
-    log.info("rerank summary: %d line(s) in -> %d scored (%d documents), %d refused (%s); %d document(s) refused; "
-             "model %s; %.1f pairs/s", summary["lines_in"], n_scored, len(pairs), n_refused,
-             summary["refused_lines_by_reason"] or "none", docs_refused, model, summary["pairs_per_s"] or 0.0)
+    log.info("rerank summary: %d line(s) in -> %d scored, %d refused (%s); documents of the scored lines: %d "
+             "scored, %d refused (%s); model %s; %.1f pairs/s", summary["lines_in"], n_scored, n_refused,
+             summary["refused_lines_by_reason"] or "none", len(pairs), docs_refused,
+             summary["refused_docs_by_reason"] or "none", model, summary["pairs_per_s"] or 0.0)
     return results, table, summary
 
 
