@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import pyarrow.parquet as pq
 from kedro.io import DataCatalog, MemoryDataset
@@ -34,13 +35,17 @@ def _data_pipeline():
 def test_bad_corpus_through_all_data_pipelines(data_bad_corpus, tmp_path, caplog):
     data = {**DATA, "raw_path": str(data_bad_corpus["jsonl"]), "image_roots": [str(data_bad_corpus["root"])]}
     catalog = _catalog(data, {}, str(tmp_path / "manifest.parquet"))
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         SequentialRunner().run(_data_pipeline(), catalog)
     counts = catalog.load("data_counts")
     # every quarantined record (up to 5) gets a log line with its reason, as rejected lines do
     quarantined = catalog.load("quarantined_records").to_pylist()
     for row in quarantined[:5]:
         assert f"quarantined {row['record_id']}: {row['reason']}" in caplog.text
+    # the image check says how many referenced images it could not find (not "0 bad" alone)
+    missing = {r["reason"].rsplit(": ", 1)[-1] for r in quarantined if "image not found" in r["reason"]}
+    assert missing and re.search(r"(\d+) referenced image\(s\) not found", caplog.text)
+    assert int(re.search(r"(\d+) referenced image\(s\) not found", caplog.text).group(1)) >= len(missing)
     assert counts["lines_in"] == counts["clean"] + counts["rejected"] + counts["duplicates"]
     assert counts["rejected"] == len(data_bad_corpus["rejected"])
     assert counts["quarantined"] == len(data_bad_corpus["quarantined"]) and counts["negatives_removed"] == 2

@@ -50,7 +50,8 @@ def locate_raw_data(data: dict[str, Any], demo_data: dict[str, Any]) -> dict[str
         source = {"files": demo["files"], "image_roots": demo["image_roots"], "demo": True,
                   "found": [_demo_entry(f) for f in demo["files"]], "image_files": demo.get("images", 0)}
     skipped = [e for e in source["found"] if e["status"] != "read"]
-    logger.info("raw data: %d JSON lines file(s) read, %d other file(s) skipped, %d image file(s); image roots %s",
+    logger.info("raw data: %d JSON lines file(s) read, %d other file(s) skipped, %d image file(s) beside them; "
+                "image roots %s",
                 len(source["files"]), len(skipped), source["image_files"], source["image_roots"])
     for entry in skipped[:50]:
         logger.warning("skipped %s: %s", entry["file"], entry["reason"])

@@ -47,7 +47,8 @@ def check_images(
     max_ratio = float(image_check.get("max_aspect_ratio", MAX_ASPECT_RATIO))
     resolver = Resolver(raw_source["image_roots"])
     # stored relative to the project root when inside it: a moved project reuses its manifest and its stages
-    paths = sorted({stored_path(p) for p in (resolver.resolve(r)[0] for r in image_refs(ingested_records)) if p})
+    resolved = [resolver.resolve(r)[0] for r in image_refs(ingested_records)]
+    paths = sorted({stored_path(p) for p in resolved if p})
     previous: dict[str, dict[str, Any]] = {}
     if previous_manifest is not None and previous_manifest.num_rows:
         if set(MANIFEST_SCHEMA.names) <= set(previous_manifest.column_names):  # older layouts: check again
@@ -78,7 +79,8 @@ def check_images(
     rows.sort(key=lambda r: r["path"])
     manifest = pa.Table.from_pylist(rows, schema=MANIFEST_SCHEMA)
     bad = len(rows) - sum(r["ok"] for r in rows)
-    logger.info("image manifest: %d images, %d bad", len(rows), bad)
+    logger.info("image manifest: %d images, %d bad; %d referenced image(s) not found under the image roots "
+                "(next, the records or negatives using them are set aside with the reason)", len(rows), bad, sum(1 for p in resolved if not p))
     return manifest
 
 
