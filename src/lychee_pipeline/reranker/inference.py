@@ -125,8 +125,9 @@ class Reranker:
         trained = processing_of(adapter) if adapter is not None else processing_of(name_or_path)
         settings = (trained or ProcessingConfig()).overridden(
             max_length=max_length, min_pixels=min_pixels, max_pixels=max_pixels, instructions=instructions)
-        log.info("scoring with %s processing settings%s: %s", "the trained" if trained else "the default",
-                 " (overridden by the caller)" if settings != (trained or ProcessingConfig()) else "",
+        source = "the model's trained" if trained else "the default (the model has none saved)"
+        log.info("scoring with %s processing settings%s: %s", source,
+                 ", with the caller's values for some" if settings != (trained or ProcessingConfig()) else "",
                  settings.as_dict())
         return cls(model, batch_size, settings.max_length, settings.min_pixels, settings.max_pixels,
                    settings.instructions)
