@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu":  # as the stage's processes (training.launch.threads_per_process: 1)
         torch.set_num_threads(1)
     env = common.environment(device)
-    from lychee_pipeline.training.memory import cpus_available
+    from lychee_pipeline.host import cpus_available
 
     env["cpus"] = str(cpus_available())
     log(f"env {json.dumps(env)}")

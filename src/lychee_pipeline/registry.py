@@ -65,7 +65,9 @@ def _unknown_model_version(client: Any, uri: str, name: str, wanted: str) -> str
     store = mlflow.get_tracking_uri()
     try:
         versions = sorted(int(v.version) for v in client.search_model_versions(f"name='{name}'"))
-    except MlflowException:
+    except MlflowException as exc:
+        if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
         versions = []
     if not versions:
         return f"{uri}: no registered model {name!r} in {store} (a `full` run registers one)"
@@ -91,6 +93,10 @@ def describe_model_uri(uri: str) -> dict[str, Any]:
     try:
         version = client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, number)
     except MlflowException as exc:
+        # the codes MLflow gives a missing model or version (RESOURCE_DOES_NOT_EXIST) and a missing alias
+        # (INVALID_PARAMETER_VALUE); anything else (an unreachable server, no permission) is raised as it is
+        if exc.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE") or "'" in name:
+            raise
         raise ValueError(_unknown_model_version(client, uri, name, wanted)) from exc
     return {"model_name": name, "model_version": int(version.version), "model_alias": alias,
             "model_run_id": version.run_id}

@@ -193,7 +193,13 @@ def test_the_fast_image_processor_is_used_exactly_when_torchvision_is_installed(
 
 def test_auto_prepares_in_one_thread_where_the_model_shares_the_cpu(reranker):
     """Two preparing threads only on a GPU whose packed attention is one variable-length call per layer (the
-    launching thread is then light); on a CPU the host threads and the model share the cores."""
-    assert Reranker(reranker.model).prepare_workers == "auto"
-    assert Reranker(reranker.model)._workers() == 1
+    launching thread is then light) with the CPUs for them; on a CPU the host threads and the model share the
+    cores (docs/benchmarks.md, "Short calls, and two preparing threads")."""
+    from lychee_pipeline.reranker.inference import auto_preparing_threads
+
+    assert auto_preparing_threads("cuda", True, 16) == 2
+    assert auto_preparing_threads("cuda", False, 16) == 1  # per-pair attention calls: the launching thread is busy
+    assert auto_preparing_threads("cuda", True, 2) == 1
+    assert auto_preparing_threads("cpu", True, 16) == 1
+    assert Reranker(reranker.model)._workers() == 1  # this machine: the model on the CPU
     assert Reranker(reranker.model, prepare_workers=3)._workers() == 3

@@ -109,8 +109,9 @@ def test_a_models_uri_without_its_version_is_one_line_naming_the_versions(tmp_pa
         client.create_registered_model(NAME)
         for _ in range(2):
             client.create_model_version(NAME, source=str(tmp_path))
-        with pytest.raises(ValueError, match=rf"models:/{NAME}@champion: '{NAME}' has no alias 'champion' .*"
-                                             rf"registry_report.md.*its versions: 1, 2; pass one, e.g. models:/{NAME}/2"):
+        missing_alias = (rf"models:/{NAME}@champion: '{NAME}' has no alias 'champion' .*registry_report.md.*"
+                         rf"its versions: 1, 2; pass one, e.g. models:/{NAME}/2")
+        with pytest.raises(ValueError, match=missing_alias):
             describe_model_uri(f"models:/{NAME}@champion")
         with pytest.raises(ValueError, match=r"has no version 7 .*its versions: 1, 2"):
             describe_model_uri(f"models:/{NAME}/7")

@@ -111,7 +111,6 @@ def test_gate_stops_replicas_out_of_sync():
         check_stage(_result([1.0, 0.8, 0.6], diff=0.1), _plan().stages.gate)
 
 
-
 def test_the_slots_a_run_does_not_use_are_named_once_in_the_log(caplog):
     """`full --params gpus=2` shows a "Running node" line for every slot up to train_stage_128: one line says which
     of them run nothing."""

@@ -14,6 +14,7 @@ The output keeps the model-input schema: the user's negatives first, then ``n_mi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -162,19 +163,18 @@ def _signatures(paths: Sequence[str], cache: MiningCache, hash_size: int, progre
         from lychee_pipeline.training.progress import CountedProgress
 
         chunks = [missing[i : i + 256] for i in range(0, len(missing), 256)]
-        bar = CountedProgress("mining: image hashes", len(missing), "image", enabled=progress)
-        if workers > 1 and len(chunks) > 1:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
+        with CountedProgress("mining: image hashes", len(missing), "image", enabled=progress) as bar:
+            if workers > 1 and len(chunks) > 1:
+                import multiprocessing
+                from concurrent.futures import ProcessPoolExecutor
 
-            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-                results = pool.map(_signature_chunk, chunks, [hash_size] * len(chunks))
-                for done, failed in results:
-                    _keep_signatures(done, failed, cache, hash_size, found, bar)
-        else:
-            for chunk in chunks:
-                _keep_signatures(*_signature_chunk(chunk, hash_size), cache, hash_size, found, bar)
-        bar.close()
+                with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+                    results = pool.map(_signature_chunk, chunks, [hash_size] * len(chunks))
+                    for done, failed in results:
+                        _keep_signatures(done, failed, cache, hash_size, found, bar)
+            else:
+                for chunk in chunks:
+                    _keep_signatures(*_signature_chunk(chunk, hash_size), cache, hash_size, found, bar)
     return found, len(missing)
 
 
@@ -315,7 +315,7 @@ def mine_table(
     counts["documents"] = len(pool.docs)
     from lychee_pipeline.training.progress import CountedProgress
 
-    with MiningCache(p.cache_path) as cache:
+    with MiningCache(p.cache_path) as cache, contextlib.ExitStack() as closing:  # the bars stop on an error too
         t0 = time.perf_counter()
         query_images = table.column("query").combine_chunks().field("image").to_pylist() if table.num_rows else []
         sigs, hashed = _signatures([d.image for d in pool.docs] + query_images, cache, p.hash_size, p.progress,
@@ -327,6 +327,7 @@ def mine_table(
         counts["seconds_index"] = round(time.perf_counter() - t0, 3)
 
         scorer = _Scorer(reranker_factory, cache, model_id, p.instruction, p.progress)
+        closing.callback(scorer.bar.close)
         out_batches: list[pa.RecordBatch] = []
         log_rows: list[dict[str, Any]] = []
         log_batches: list[pa.RecordBatch] = []
@@ -334,7 +335,7 @@ def mine_table(
         n = {"candidates": 0, "rescored_candidates": 0, "false_negatives": 0, "fn_same_text": 0, "fn_near_image": 0,
              "fn_margin": 0, "mined": 0, "random": 0, "random_fill": 0, "queries_short": 0, "queries_without_candidates": 0}
         t_first = 0.0
-        bar = CountedProgress("mining negatives", table.num_rows, "record", enabled=p.progress)
+        bar = closing.enter_context(CountedProgress("mining negatives", table.num_rows, "record", enabled=p.progress))
         for start in range(0, table.num_rows, p.batch_queries):
             rows = table.slice(start, p.batch_queries).to_pylist()
             t1 = time.perf_counter()
@@ -440,8 +441,6 @@ def mine_table(
             log_batches.append(pa.RecordBatch.from_pylist(log_rows, schema=LOG_SCHEMA))  # Arrow per batch: compact
             log_rows = []
             bar.update(len(rows))
-        bar.close()
-        scorer.bar.close()
 
     counts.update(n)
     counts.update({

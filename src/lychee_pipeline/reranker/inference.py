@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import queue
 import threading
 from collections import deque
@@ -22,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..host import cpus_available
 from .collate import DEFAULT_MAX_LENGTH, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PairCollator
 from .model import LycheeReranker, ModelConfig, load_reranker, processing_of, read_metadata
 from .packing import PackedBatch, varlen_attention_ready
@@ -33,6 +33,12 @@ log = logging.getLogger(__name__)
 Item = Mapping[str, Any]
 
 IN_FLIGHT = 2  # batches launched on a GPU and not yet waited for
+
+
+def auto_preparing_threads(device_type: str, varlen_attention: bool, cpus: int) -> int:
+    """``prepare_workers: auto``: two host threads where the launching thread is light (CUDA, the packed pairs'
+    attention one variable-length call per layer) and the CPUs are there, else one (see ``Reranker.__init__``)."""
+    return 2 if device_type == "cuda" and varlen_attention and cpus >= 4 else 1
 
 
 def to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
@@ -137,9 +143,8 @@ class Reranker:
         if self.prepare_workers != "auto":
             return max(int(self.prepare_workers), 1)
         device = self.model.device
-        light_launches = device.type == "cuda" and self.model.config.pack_pairs and varlen_attention_ready(device)
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return 2 if light_launches and cpus >= 4 else 1
+        return auto_preparing_threads(device.type, self.model.config.pack_pairs and varlen_attention_ready(device),
+                                      cpus_available())
 
     def _first_batch(self) -> int:
         if self.first_batch == "auto":
@@ -312,6 +317,7 @@ class Reranker:
         results: list[tuple[list[int], torch.Tensor]] = []
         # (event, device inputs) of the batches the device may still be working on: the inputs are held until
         # their event, as they were copied on another stream, whose allocations could otherwise be reused early
+        # (so up to IN_FLIGHT + 1 batches' inputs are on the device; the pixels travel in the tower's dtype)
         launched: deque = deque()
         copies = torch.cuda.Stream(device) if on_gpu else None
         try:
@@ -335,10 +341,12 @@ class Reranker:
                         probs = host
                     results.append((positions, probs))
         finally:
-            if launched:  # the one wait for the last scores; on an error, too, before the inputs are let go
-                launched[-1][0].synchronize()
-            launched.clear()
-            self.model.train(was_training)
+            try:
+                if on_gpu:  # the one wait for the last scores; on an error, the batch that failed is waited for too
+                    torch.cuda.current_stream(device).synchronize()  # before the inputs are let go
+            finally:
+                launched.clear()
+                self.model.train(was_training)
         for positions, probs in results:
             for i, p in zip(positions, probs.float().tolist()):
                 scores[i] = float(p)

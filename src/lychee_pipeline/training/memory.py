@@ -27,7 +27,6 @@ the chooser keeps ``margin`` (5% of the budget by default) in hand, which makes 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 GIB = 2**30
@@ -75,13 +74,6 @@ def choose_checkpoint_layers(tokens: int, hidden: int, num_layers: int, weight_b
             return CheckpointChoice(k, num_layers, peak, budget_gib, int(tokens), True)
     peak = predicted_peak_gib(tokens, hidden, num_layers, num_layers, weight_bytes, base, kept)
     return CheckpointChoice(num_layers, num_layers, peak, budget_gib, int(tokens), False)
-
-
-def cpus_available() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 def resolve_dataloader(params: dict | None, device_type: str, cpus: int, local_processes: int) -> dict:

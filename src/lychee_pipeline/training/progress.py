@@ -202,8 +202,8 @@ class StageProgress:
 
 class CountedProgress:
     """Progress of work counted in this process (images checked, records mined): the same bar, or plain lines in
-    a file, as a stage's, fed with counts instead of the ranks' records. ``update(n)`` adds n; ``close()``
-    always. ``enabled`` False shows nothing."""
+    a file, as a stage's, fed with counts instead of the ranks' records. ``update(n)`` adds n; use it as a
+    context manager (or ``close()`` it in a ``finally``). ``enabled`` False shows nothing."""
 
     def __init__(self, label: str, total: int, unit: str, enabled: bool = True):
         self.view = StageProgress(label) if enabled and total else None
@@ -225,3 +225,9 @@ class CountedProgress:
         if self.view is not None:
             self._show()
             self.view.close()
+
+    def __enter__(self) -> CountedProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()  # on an error too: a terminal's bar stops drawing

@@ -24,6 +24,7 @@ from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwa
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
+from lychee_pipeline.host import cpus_available
 from lychee_pipeline.reranker import GroupCollator, load_reranker
 from lychee_pipeline.reranker.collate import max_pixels_at, sample_group
 from lychee_pipeline.reranker.losses import LossOptions, get_loss
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     collate = StageCollate(records, collator, train, steps_per_epoch, total_steps, accelerator.num_processes,
                            trace_records)
     loader_kwargs = memory.resolve_dataloader(train.dataloader.model_dump(), accelerator.device.type,
-                                              memory.cpus_available(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+                                              cpus_available(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     log.info("data loader: %s", ", ".join(f"{k}={v}" for k, v in loader_kwargs.items()))
     loader = DataLoader(
         SlotDataset(len(sampler)),

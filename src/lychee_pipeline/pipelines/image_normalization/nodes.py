@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -47,8 +48,9 @@ def check_images(
     max_ratio = float(image_check.get("max_aspect_ratio", MAX_ASPECT_RATIO))
     resolver = Resolver(raw_source["image_roots"])
     # stored relative to the project root when inside it: a moved project reuses its manifest and its stages
-    resolved = [resolver.resolve(r)[0] for r in image_refs(ingested_records)]
-    paths = sorted({stored_path(p) for p in resolved if p})
+    resolved = [resolver.resolve(r) for r in image_refs(ingested_records)]
+    paths = sorted({stored_path(p) for p, _ in resolved if p})
+    unresolved = Counter(reason.split(": ", 1)[0] for _, reason in resolved if reason)
     previous: dict[str, dict[str, Any]] = {}
     if previous_manifest is not None and previous_manifest.num_rows:
         if set(MANIFEST_SCHEMA.names) <= set(previous_manifest.column_names):  # older layouts: check again
@@ -64,23 +66,22 @@ def check_images(
         else:
             todo.append(path)
     logger.info("images: %d unique, %d reused from the manifest, %d to check", len(paths), len(rows), len(todo))
-    progress = CountedProgress("checking images", len(todo), "image")
-    if workers > 1 and len(todo) > 64:
-        # spawn: workers start small instead of inheriting a copy of this process's memory
-        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            for row in pool.map(check_image_task, ((p, max_pixels, max_ratio) for p in todo), chunksize=256):
-                rows.append(row)
+    with CountedProgress("checking images", len(todo), "image") as progress:
+        if workers > 1 and len(todo) > 64:
+            # spawn: workers start small instead of inheriting a copy of this process's memory
+            with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+                for row in pool.map(check_image_task, ((p, max_pixels, max_ratio) for p in todo), chunksize=256):
+                    rows.append(row)
+                    progress.update()
+        else:
+            for path in todo:
+                rows.append(check_image(path, max_pixels, max_ratio))
                 progress.update()
-    else:
-        for path in todo:
-            rows.append(check_image(path, max_pixels, max_ratio))
-            progress.update()
-    progress.close()
     rows.sort(key=lambda r: r["path"])
     manifest = pa.Table.from_pylist(rows, schema=MANIFEST_SCHEMA)
     bad = len(rows) - sum(r["ok"] for r in rows)
-    logger.info("image manifest: %d images, %d bad; %d referenced image(s) not found under the image roots "
-                "(next, the records or negatives using them are set aside with the reason)", len(rows), bad, sum(1 for p in resolved if not p))
+    logger.info("image manifest: %d images, %d bad; references not resolved: %s (the records or negatives using "
+                "them are set aside next, with the reason)", len(rows), bad, dict(sorted(unresolved.items())) or "none")
     return manifest
 
 
@@ -194,9 +195,8 @@ def normalize_records(
         raise AssertionError(f"count invariant broken: {counts}")
     logger.info("normalization: records_in=%d == normalized=%d + quarantined=%d; negatives removed=%d",
                 counts["records_in"], counts["normalized"], counts["quarantined"], counts["negatives_removed"])
-    for record_id, reason in zip(quarantined.column("record_id").to_pylist()[:5],
-                                 quarantined.column("reason").to_pylist()[:5]):
-        logger.warning("quarantined %s: %s", record_id, reason)
+    for row in quarantined.slice(0, 5).select(["record_id", "reason"]).to_pylist():
+        logger.warning("quarantined %s: %s", row["record_id"], row["reason"])
     if quarantined.num_rows > 5:
         logger.warning("... %d quarantined records in all: see quarantined_records "
                        "(data/03_primary/quarantined_records.parquet)", quarantined.num_rows)

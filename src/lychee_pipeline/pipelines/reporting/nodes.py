@@ -88,8 +88,8 @@ def summarize_run(data_counts: dict[str, Any], stage_results: list[dict], evalua
         summary["registry_report"] = "data/08_reporting/registry_report.md"
         registry_text = f"; registry: {summary_line(registry_outcome)}"
     log.info(
-        "run summary: %s lines in -> %s clean (%s rejected, %s duplicate) -> %s normalized (%s quarantined); stages: %s;"
-        " MRR@10 base %s -> fine-tuned %s; report: %s%s",
+        "run summary: %s lines in -> %s clean (%s rejected, %s duplicate) -> %s normalized (%s quarantined); "
+        "stages: %s; MRR@10 base %s -> fine-tuned %s; report: %s%s",
         summary["records_in"], summary["records_clean"], summary["rejected"], summary["duplicates"],
         summary["records_normalized"], summary["quarantined"],
         "; ".join(summary["stages"]), _fmt(summary["mrr_at_10_base"]), _fmt(summary["mrr_at_10_finetuned"]),
