@@ -21,7 +21,7 @@ import torch
 from lychee_pipeline.reranker import Reranker
 from lychee_pipeline.reranker.model import ModelConfig
 from lychee_pipeline.training.config import TrainingParams
-from lychee_pipeline.training.launch import run_stage
+from lychee_pipeline.training.stage_launch import run_stage
 from lychee_pipeline.training.stage import StageResult, StageSpec
 from lychee_pipeline.training.synthetic import write_colour_item_table
 
@@ -52,7 +52,7 @@ def main() -> None:
                      model=ModelConfig(name_or_path="builtin:tiny", finetune=args.finetune,
                                        tiny_cache_dir=str(work / "tiny")))
     started = time.perf_counter()
-    result = StageResult.model_validate(run_stage(work / "stage", spec.model_dump(), args.devices, "cuda", template))
+    result = StageResult.model_validate(run_stage(work / "stage", spec, args.devices, "cuda", template))
     log_text = (work / "stage" / "launch.log").read_text()
     print("checkpoint files:", sorted(str(p.relative_to(work / "stage")) for p in (work / "stage/checkpoints").rglob("*"))[:12])
     beats = json.loads((work / "stage" / "heartbeat" / "rank0.json").read_text())
@@ -67,7 +67,7 @@ def main() -> None:
         for ckpt in sorted((work / "stage/checkpoints").glob("checkpoint-*")):
             if ckpt.name != "checkpoint-6":
                 shutil.rmtree(ckpt)
-        again = StageResult.model_validate(run_stage(work / "stage", spec.model_dump(), args.devices, "cuda", template))
+        again = StageResult.model_validate(run_stage(work / "stage", spec, args.devices, "cuda", template))
         pairs = [(a, b) for a, b in zip(first, again.losses) if a[0] > 6]
         print("resume from checkpoint-6: steps", [a[0] for a, _ in pairs], "max loss diff",
               max(abs(a[1] - b[1]) for a, b in pairs) if pairs else None)

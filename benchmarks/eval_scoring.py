@@ -79,7 +79,7 @@ def _cpu_name() -> str:
 def cpu_benchmark(args) -> dict:
     from lychee_pipeline.evaluation.score_shards import read_scores, write_pairs
     from lychee_pipeline.reranker.tiny import ensure_tiny
-    from lychee_pipeline.training.launch import run_stage
+    from lychee_pipeline.training.stage_launch import run_stage
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="eval_scoring_"))
     work.mkdir(parents=True, exist_ok=True)

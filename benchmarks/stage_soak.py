@@ -1,6 +1,6 @@
 """Soak: N short real 2-process CPU stages in a row, some interrupted or faulted at random; report hangs and orphans.
 
-Each stage runs `run_training_stage` (the Kedro node's function: `accelerate launch` -> 2 gloo ranks, builtin:tiny)
+Each stage runs `training.planning.run_training_stage` (what the stage node runs: `accelerate launch` -> 2 gloo ranks, builtin:tiny)
 in a driver subprocess. A scenario is drawn per stage (seeded):
 
   clean          no fault: must finish (result.json, all steps)
@@ -38,8 +38,9 @@ EXPECTED = {"clean": "done", "sigint": "interrupted", "sigterm": "interrupted", 
 
 def driver(args: argparse.Namespace) -> int:
     """One stage in this process; its outcome as JSON in --outcome."""
-    from lychee_pipeline.pipelines.training.nodes import plan_training, run_training_stage
-    from lychee_pipeline.training.launch import StageFailed, sigterm_raises
+    from lychee_pipeline.training.planning import plan_training, run_training_stage
+    from lychee_pipeline.runtime.launcher import StageFailed
+    from lychee_pipeline.runtime.processes import sigterm_raises
 
     # A process started in the background by a non-interactive shell inherits SIGINT ignored; Ctrl-C must work.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -51,7 +52,7 @@ def driver(args: argparse.Namespace) -> int:
     try:
         with sigterm_raises():
             result = run_training_stage(job["data"], plan, devices=2, final=True)
-        outcome.update(state="done", steps=result["steps"], pairs_per_s=result["pairs_per_s"])
+        outcome.update(state="done", steps=result.steps, pairs_per_s=result.pairs_per_s)
     except KeyboardInterrupt as exc:
         outcome.update(state="interrupted", message=str(exc) or "KeyboardInterrupt")
     except StageFailed as exc:

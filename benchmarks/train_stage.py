@@ -10,7 +10,7 @@ What runs, per text length (~850 and ~1400 tokens per pair, 1 query + 1 document
    JPEG (quality 90) on disk; 1 positive + 9 negatives per record; groups of ``--group-size`` (8: 1 + 7).
 2. Model: the Qwen2.5-VL-7B architecture with random weights, saved once as a model folder with the built-in
    tiny processor (same special tokens, chat template and image processing as Qwen2.5-VL), no hub.
-3. Stage: ``lychee_pipeline.training.launch.run_stage`` -> ``accelerate launch`` -> ``training/train.py``, the path
+3. Stage: ``lychee_pipeline.training.stage_launch.run_stage`` -> ``accelerate launch`` -> ``training/train.py``, the path
    the pipeline's stage node takes: JPEGs decoded and collated in DataLoader workers, LoRA r16, bf16,
    ``model.activation_checkpointing: auto`` within ``--memory-budget-gib``. pairs/s from its result.json
    (steps after the first), peak memory as the stage reports it.
@@ -196,12 +196,13 @@ def model_spec(args, folder: Path) -> dict:
 
 
 def run_real_stage(args, work: Path, data: Path, folder: Path, device_type: str, label: str) -> dict:
-    from lychee_pipeline.training.launch import run_stage
+    from lychee_pipeline.training.stage import StageSpec
+    from lychee_pipeline.training.stage_launch import run_stage
 
     spec = {"stage": f"bench_{label}", "data_path": str(data), "output_dir": str(work / f"stage_{label}"),
             "model": model_spec(args, folder), "training": training_params(args, args.stage_steps)}
     t0 = time.perf_counter()
-    result = run_stage(work / f"stage_{label}", spec, 1, device_type)
+    result = run_stage(work / f"stage_{label}", StageSpec.model_validate(spec), 1, device_type).model_dump()
     result["stage_wall_s_incl_launch_and_load"] = time.perf_counter() - t0
     return result
 

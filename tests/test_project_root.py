@@ -146,8 +146,8 @@ def test_the_log_in_a_file_is_plain_short_and_free_of_library_notices(project_a)
     assert not [x for x in after_start if x.startswith(" " * 20)], "wrapped continuation lines in the file log"
     for notice in ("register_new_resolver", "is_gradient_checkpointing", "Loading weights"):
         assert notice not in log, notice
-    # the launcher's progress lines (training/progress.py) stand for the ranks' step lines, kept in launch.log
-    steps = [x for x in lines if "lychee_pipeline.training.progress" in x and "stage_1cpu_final: step " in x]
+    # the launcher's progress lines (runtime/progress.py) stand for the ranks' step lines, kept in launch.log
+    steps = [x for x in lines if "lychee_pipeline.runtime.progress" in x and "stage_1cpu_final: step " in x]
     assert 1 <= len(steps) <= 12, steps  # at most every tenth / 30 s and the last, not one line per step
     assert re.search(r"step (\d+)/\1 \(100%\)", steps[-1]), steps  # the last line: every step done
     assert not [x for x in lines if "] step " in x and " loss " in x], "the ranks' step lines relayed to the log"

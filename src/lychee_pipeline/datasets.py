@@ -1,4 +1,4 @@
-"""Custom Kedro datasets: Arrow tables stored as Parquet, and JSON-lines files of dicts."""
+"""Custom Kedro datasets: Arrow tables stored as Parquet, JSON-lines files of dicts, and typed (pydantic) JSON."""
 
 from __future__ import annotations
 
@@ -125,3 +125,36 @@ def _table_preview(rows: list[dict[str, Any]]) -> dict[str, Any]:
     columns = list(dict.fromkeys(key for row in rows for key in row))
     cell = lambda v: v if isinstance(v, (str, int, float, bool, type(None))) else json.dumps(v, ensure_ascii=False)  # noqa: E731
     return {"index": list(range(len(rows))), "columns": columns, "data": [[cell(r.get(c)) for c in columns] for r in rows]}
+
+
+class PydanticJSONDataset(AbstractDataset[Any, Any]):
+    """A pydantic model stored as one JSON file (atomic on save), loaded back as the same typed model.
+
+    ``model`` is the model's import path (``lychee_pipeline.training.planning.TrainingPlan``), so the nodes on
+    either side of the catalog pass typed objects and no node re-validates a dict.
+    """
+
+    def __init__(self, filepath: str, model: str, metadata: dict[str, Any] | None = None) -> None:
+        import importlib
+
+        module, _, name = model.rpartition(".")
+        self._filepath = Path(filepath)
+        self._model_path = model
+        self._model = getattr(importlib.import_module(module), name)
+        self.metadata = metadata
+
+    def load(self) -> Any:
+        if not self._filepath.exists():
+            raise DatasetError(f"no JSON file at {self._filepath}")
+        return self._model.model_validate_json(self._filepath.read_text(encoding="utf-8"))
+
+    def save(self, data: Any) -> None:
+        data = self._model.model_validate(data)  # a dict saved here is checked on the way in, too
+        with _atomic_file(self._filepath) as tmp:
+            tmp.write_text(data.model_dump_json(indent=1), encoding="utf-8")
+
+    def _exists(self) -> bool:
+        return self._filepath.is_file()
+
+    def _describe(self) -> dict[str, Any]:
+        return {"filepath": str(PurePosixPath(self._filepath)), "model": self._model_path}

@@ -300,12 +300,12 @@ class RunOutcomeHooks:
 
     @hook_impl(trylast=True)  # after kedro-mlflow's before_pipeline_run has opened its run
     def before_pipeline_run(self, run_params, pipeline, catalog) -> None:
-        from lychee_pipeline.training.launch import _raise_interrupted
+        from lychee_pipeline.runtime.processes import raise_interrupted
 
         self._finished = False
         self._run_id = _active_run_id()
         if threading.current_thread() is threading.main_thread():
-            self._previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupted)
+            self._previous_sigterm = signal.signal(signal.SIGTERM, raise_interrupted)
         atexit.register(self._at_exit)
 
     @hook_impl
@@ -339,7 +339,7 @@ class RunOutcomeHooks:
 
             active = mlflow.active_run()
             client = mlflow.MlflowClient()
-            from lychee_pipeline.training.launch import interrupt_reason
+            from lychee_pipeline.runtime.processes import interrupt_reason
 
             client.set_tag(self._run_id, "failure_reason", interrupt_reason())
             if active is not None and active.info.run_id == self._run_id:

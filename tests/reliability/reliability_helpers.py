@@ -50,7 +50,7 @@ def make_table(root, negatives: int = 5) -> pa.Table:
 
 def stage_plan(tmp_path, gpus: int = 1, launch: dict | None = None, model: dict | None = None, **training):
     """A CPU plan of tiny, fast stages (builtin:tiny, LoRA r=4, 4 pairs per group)."""
-    from lychee_pipeline.pipelines.training.nodes import plan_training
+    from lychee_pipeline.training.planning import plan_training
 
     base = dict(group_size=4, learning_rate=1e-3, warmup_ratio=0.0, scheduler="constant", max_steps=3,
                 max_length=256, max_pixels=12544, checkpoint_every=100, keep_last=3, seed=3,

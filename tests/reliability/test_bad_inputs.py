@@ -202,4 +202,4 @@ def test_an_empty_training_table_stops_before_any_launch_naming_where_the_reason
     plan = stage_plan(tmp_path)
     with pytest.raises(ValueError, match="training split has no records.*quarantined_records.parquet.*image not found"):
         nodes.export_training_table(empty, plan)
-    assert not list(Path(plan["run_dir"]).rglob("train.parquet"))
+    assert not list(Path(plan.run_dir).rglob("train.parquet"))

@@ -22,8 +22,8 @@ import pytest
 import yaml
 from project_runs import make_project_copy
 
-from lychee_pipeline.training import launch
-from lychee_pipeline.training.launch import LOCK_NAME, StageBusy, check_stage_lock
+from lychee_pipeline.runtime import processes
+from lychee_pipeline.runtime.processes import LOCK_NAME, StageBusy, check_stage_lock
 
 STARTED = re.compile(r"\[rank (\d+)\] started: pid (\d+)")
 STEP = re.compile(r"\[rank 0\] step (\d+)/")
@@ -167,7 +167,7 @@ def test_ctrl_c_on_kedro_stops_the_whole_stage_and_resume_works(tmp_path, signum
     log_text = launch_log.read_text()
     assert f"resumed from {stage_dir.relative_to(root)}/checkpoints/checkpoint-{last} at step {last}" in log_text
     result = json.loads((stage_dir / "result.json").read_text())
-    assert result["steps"] == last + 2 and [s for s, _ in result["losses"]] == list(range(1, last + 3))
+    assert result.steps == last + 2 and [s for s, _ in result.losses] == list(range(1, last + 3))
     assert not (stage_dir / LOCK_NAME).exists()
 
 
@@ -177,7 +177,7 @@ def test_a_live_lock_refuses_the_stage_folder_and_a_stale_one_is_removed(tmp_pat
     owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         (stage_dir / LOCK_NAME).write_text(json.dumps(
-            {"pid": owner.pid, "host": socket.gethostname(), "start": launch._start_time(owner.pid)}))
+            {"pid": owner.pid, "host": socket.gethostname(), "start": processes.process_start_time(owner.pid)}))
         with pytest.raises(StageBusy, match=rf"^stage folder {re.escape(str(stage_dir))} is in use by process "
                                             rf"{owner.pid} on "):
             check_stage_lock(stage_dir)
@@ -194,10 +194,10 @@ def test_a_live_lock_refuses_the_stage_folder_and_a_stale_one_is_removed(tmp_pat
 def test_the_training_node_refuses_a_locked_folder_before_deleting_it(tmp_path, reliability_table):
     from reliability_helpers import stage_plan
 
-    from lychee_pipeline.pipelines.training.nodes import run_training_stage
+    from lychee_pipeline.training.planning import run_training_stage
 
     plan = stage_plan(tmp_path, gpus=1, max_steps=2)
-    stage_dir = Path(plan["run_dir"]) / "stage_1cpu_final"
+    stage_dir = Path(plan.run_dir) / "stage_1cpu_final"
     stage_dir.mkdir(parents=True)
     (stage_dir / "keep.txt").write_text("written by the live run")
     owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from reliability_helpers import stage_plan
 
-from lychee_pipeline.pipelines.training.nodes import check_stage, run_training_stage
-from lychee_pipeline.training.launch import StageFailed, free_port
+from lychee_pipeline.training.gate import check_stage
+from lychee_pipeline.training.planning import run_training_stage
+from lychee_pipeline.runtime.launcher import StageFailed, free_port
 
 STARTED = re.compile(r"\[rank (\d+)\] started: pid (\d+)")
 
@@ -35,12 +36,12 @@ def test_two_machines_on_loopback_train_one_stage(tmp_path, reliability_table, n
         futures = [pool.submit(run_training_stage, reliability_table, plan, 1, True) for plan in plans]
         main, other = [f.result(timeout=400) for f in futures]
     # one stage of 2 processes: machine 0's rank 0 wrote the result, with both replicas equal
-    assert main["devices"] == 2 and main["steps"] == 4 and main["replica_max_diff"] == 0.0
-    assert check_stage(main, plans[0]) is main  # the gate: finite, falling loss, schedule, replicas
-    assert [s for s, _ in main["learning_rates"]] == [1, 2, 3, 4]  # one schedule step per optimizer step
-    assert main["learning_rates"][-1][1] == pytest.approx(0.0, abs=1e-12)  # linear decay ends at 0
-    assert other == {**other, "machine_rank": 1, "num_machines": 2, "result_on_machine_rank_0": True}
-    dirs = [Path(p["run_dir"]) / "stage_1cpu_final" for p in plans]
+    assert main.devices == 2 and main.steps == 4 and main.replica_max_diff == 0.0
+    assert check_stage(main, plans[0].stages.gate) is main  # the gate: finite, falling loss, schedule, replicas
+    assert [s for s, _ in main.learning_rates] == [1, 2, 3, 4]  # one schedule step per optimizer step
+    assert main.learning_rates[-1][1] == pytest.approx(0.0, abs=1e-12)  # linear decay ends at 0
+    assert other.model_dump() == {**other.model_dump(), "machine_rank": 1, "num_machines": 2, "result_on_machine_rank_0": True}
+    dirs = [Path(p.run_dir) / "stage_1cpu_final" for p in plans]
     assert (dirs[0] / "result.json").is_file() and not (dirs[1] / "result.json").exists()  # written once
     # each launcher ran one local process: global rank 0 on machine 0, global rank 1 on machine 1
     assert [r for r, _ in STARTED.findall((dirs[0] / "launch.log").read_text())] == ["0"]
@@ -57,7 +58,7 @@ def test_a_machine_that_never_arrives_is_named(tmp_path, reliability_table, no_f
     assert "stopped by the watchdog: no rank of machine rank 0 got past the rendezvous at 127.0.0.1:" in first
     assert "within 15 s: machine rank 1 of 2 never arrived" in first, first
     assert elapsed < 60, elapsed
-    lock = Path(plan["run_dir"]) / "stage_1cpu_final" / "RUNNING.lock"
+    lock = Path(plan.run_dir) / "stage_1cpu_final" / "RUNNING.lock"
     assert not lock.exists()
 
 

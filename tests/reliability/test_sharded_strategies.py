@@ -18,7 +18,7 @@ import textwrap
 import pytest
 from reliability_helpers import stage_plan
 
-from lychee_pipeline.training.launch import free_port
+from lychee_pipeline.runtime.launcher import free_port
 
 
 @pytest.mark.parametrize("strategy, words", [

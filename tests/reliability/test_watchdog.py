@@ -20,9 +20,11 @@ from pathlib import Path
 import pytest
 from reliability_helpers import stage_plan
 
-from lychee_pipeline.pipelines.training.nodes import run_training_stage
-from lychee_pipeline.training import heartbeat
-from lychee_pipeline.training.launch import StageFailed, Watchdog
+from lychee_pipeline.training.planning import run_training_stage
+from lychee_pipeline.runtime import heartbeat
+from lychee_pipeline.runtime.launcher import StageFailed
+from lychee_pipeline.runtime.settings import LaunchParams
+from lychee_pipeline.runtime.watchdog import Watchdog
 
 STARTED = re.compile(r"\[rank (\d+)\] started: pid (\d+)")
 
@@ -57,7 +59,7 @@ def test_a_silent_rank_stops_the_stage_and_says_where_each_rank_was(tmp_path, re
     assert re.search(r"rank 1 in lychee_pipeline/training/train\.py:\d+ fault_point", first), first
     assert re.search(r"rank 0 in torch/\S+ \S+ \(from lychee_pipeline/training/train\.py:\d+ main\)", first), first
     assert "rank 0:" in message and "rank 1:" in message  # last words of each rank follow
-    stage_dir = Path(plan["run_dir"]) / "stage_2cpu_final"
+    stage_dir = Path(plan.run_dir) / "stage_2cpu_final"
     pids = _rank_pids(stage_dir)
     assert len(pids) == 2 and not [p for p in pids.values() if _alive(p)]
     assert not (stage_dir / "RUNNING.lock").exists() and not (stage_dir / "result.json").exists()
@@ -79,7 +81,7 @@ def test_a_rank_that_leaves_early_ends_the_stage_naming_it(tmp_path, reliability
     progress = next(line for line in message.splitlines() if line.startswith("Progress:"))
     assert ("rank 1 at step 2 (step" in progress and "exited first" in progress) or \
         "hung: rank 1 exited after step 2" in message, message
-    stage_dir = Path(plan["run_dir"]) / "stage_2cpu_final"
+    stage_dir = Path(plan.run_dir) / "stage_2cpu_final"
     assert not [p for p in _rank_pids(stage_dir).values() if _alive(p)]
 
 
@@ -96,11 +98,11 @@ def test_a_rank_stuck_in_teardown_after_the_result_is_written_ends_the_stage_don
     started = time.monotonic()
     result = run_training_stage(reliability_table, plan, devices=2, final=True)
     elapsed = time.monotonic() - started
-    assert result["steps"] == 3 and result["replica_max_diff"] == 0.0 and elapsed < 120, elapsed
+    assert result.steps == 3 and result.replica_max_diff == 0.0 and elapsed < 120, elapsed
     # rank 1 hangs after the barrier; rank 0 then waits for it in end_training (or, past it, at exit): both named
     assert "rank 1 (leaving)" in caplog.text and "passed the final barrier but did not exit within 5 s (stuck in " \
         "process-group teardown)" in caplog.text, caplog.text
-    stage_dir = Path(plan["run_dir"]) / "stage_2cpu_final"
+    stage_dir = Path(plan.run_dir) / "stage_2cpu_final"
     assert not [p for p in _rank_pids(stage_dir).values() if _alive(p)]
     assert not (stage_dir / "RUNNING.lock").exists()
 
@@ -130,8 +132,7 @@ def _beat(stage_dir: Path, rank: int, pid: int, step: int, phase: str, age_s: fl
         "time": time.time() - age_s}))
 
 
-LAUNCH = {"watchdog_s": 1800, "hang_after_exit_s": 3, "rendezvous_timeout_s": 900, "num_machines": 1,
-          "machine_rank": 0}
+LAUNCH = LaunchParams(watchdog_s=1800, hang_after_exit_s=3, rendezvous_timeout_s=900, num_machines=1, machine_rank=0)
 
 
 def test_rule_a_rank_silent_after_another_exited_is_named_as_hung(tmp_path, sleeper, dead_pid):
@@ -157,15 +158,15 @@ def test_rule_work_done_but_a_process_stuck_in_teardown(tmp_path, sleeper, dead_
 def test_rule_silence_names_the_stalest_rank(tmp_path, sleeper):
     _beat(tmp_path, 0, os.getpid(), 5, "step", age_s=20)
     _beat(tmp_path, 1, sleeper.pid, 4, "step", age_s=40)
-    dog = Watchdog(tmp_path, {**LAUNCH, "watchdog_s": 30}, devices=2)
+    dog = Watchdog(tmp_path, LAUNCH.model_copy(update={"watchdog_s": 30}), devices=2)
     kind, reason = dog.check()
     assert kind == "silent" and reason == (
         "no progress for 30 s (training.launch.watchdog_s): rank 1 (last progress: step 4, step, 40 s ago)")
 
 
 def test_rule_a_machine_rank_that_never_arrives_is_named(tmp_path):
-    launch = {**LAUNCH, "num_machines": 2, "machine_rank": 0, "main_process_ip": "127.0.0.1",
-              "rendezvous_timeout_s": 10}
+    launch = LAUNCH.model_copy(update={"num_machines": 2, "machine_rank": 0, "main_process_ip": "127.0.0.1",
+                                       "rendezvous_timeout_s": 10})
     dog = Watchdog(tmp_path, launch, devices=1, port=29555)
     assert dog.check() is None
     kind, reason = dog.check(now=time.time() + 11)
@@ -178,7 +179,7 @@ def test_rule_startup_gets_the_rendezvous_timeout_not_the_watchdog(tmp_path, sle
     """Loading a large model takes a minute: before step 1 the limit is rendezvous_timeout_s (a 10 s watchdog stopped
     clean soak stages on a loaded machine while a rank was still importing)."""
     _beat(tmp_path, 0, sleeper.pid, 0, "started", age_s=40)
-    dog = Watchdog(tmp_path, {**LAUNCH, "watchdog_s": 10, "rendezvous_timeout_s": 60}, devices=1)
+    dog = Watchdog(tmp_path, LAUNCH.model_copy(update={"watchdog_s": 10, "rendezvous_timeout_s": 60}), devices=1)
     assert dog.check() is None
     kind, reason = dog.check(now=time.time() + 61)
     assert kind == "silent" and "(no first step within training.launch.rendezvous_timeout_s)" in reason, reason
@@ -210,7 +211,7 @@ def test_rule_two_exits_seen_at_once_name_the_rank_that_stopped_beating_first(tm
 
 def test_a_rank_that_raises_beats_failed_at_its_last_step(tmp_path):
     """``Heartbeat.on_uncaught_exception``: a real process that ends on an exception leaves phase ``failed``."""
-    script = (f"from lychee_pipeline.training.heartbeat import Heartbeat\n"
+    script = (f"from lychee_pipeline.runtime.heartbeat import Heartbeat\n"
               f"beat = Heartbeat({str(tmp_path)!r}, 1)\nbeat(4, 'step')\nbeat.on_uncaught_exception()\n"
               "raise RuntimeError('peer vanished')\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

@@ -119,7 +119,7 @@ def user_loss_module(tmp_path, monkeypatch):
 
 
 def test_a_loss_from_a_user_module_trains_a_real_stage(tmp_path, user_loss_module):
-    from lychee_pipeline.pipelines.training.nodes import plan_training, run_training_stage
+    from lychee_pipeline.training.planning import plan_training, run_training_stage
     from lychee_pipeline.training.stage import StageSpec
     from lychee_pipeline.training.synthetic import write_colour_item_table
 
@@ -133,12 +133,12 @@ def test_a_loss_from_a_user_module_trains_a_real_stage(tmp_path, user_loss_modul
     spec = StageSpec.read(tmp_path / "runs/loss/stage_1cpu_final/spec.json")
     assert spec.training.loss_modules == [user_loss_module] and spec.training.loss == "offset_pointwise"
     # the stage process imported the module and trained with its loss: every logged loss carries the offset
-    assert result["steps"] == 2 and len(result["losses"]) == 2
-    assert all(100.0 < loss < 110.0 for _, loss in result["losses"])
+    assert result.steps == 2 and len(result.losses) == 2
+    assert all(100.0 < loss < 110.0 for _, loss in result.losses)
 
 
 def test_a_loss_module_that_does_not_import_is_a_one_line_error_naming_it(tmp_path):
-    from lychee_pipeline.pipelines.training.nodes import plan_training
+    from lychee_pipeline.training.planning import plan_training
 
     with pytest.raises(ValueError) as error:
         plan_training({"name_or_path": "builtin:tiny"}, {"loss_modules": ["no_such_losses_module"]}, {}, 1, "cpu",

@@ -34,7 +34,7 @@ def traced(monkeypatch):
 def _traced_run(table: str, plan: dict, devices: int) -> dict:
     """{"plan", "result"}: the stage of `plan` run to the end with the `traced` environment (a session fixture
     cannot use the function-scoped one)."""
-    from lychee_pipeline.pipelines.training.nodes import run_training_stage
+    from lychee_pipeline.training.planning import run_training_stage
 
     with pytest.MonkeyPatch.context() as mp:
         for name in STAGE_ENV:

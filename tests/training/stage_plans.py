@@ -8,7 +8,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from lychee_pipeline.pipelines.training.nodes import plan_training
+from lychee_pipeline.training.planning import plan_training
 from lychee_pipeline.training.synthetic import COLOURS, write_colour_item_table
 
 RECORDS = 24  # rows of write_colour_item_table (the training_table_path and large_image_table fixtures)

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from lychee_pipeline.training.gate import StageGateError, check_stage
-from lychee_pipeline.training.launch import check_device_count
+from lychee_pipeline.runtime.launcher import check_device_count
 from lychee_pipeline.training.planning import CHECK_RUNGS, MAX_GPUS, plan_training, rung_devices, stage_devices
 
 from stage_results import make_result
@@ -119,8 +119,8 @@ def test_the_slots_a_run_does_not_use_are_named_once_in_the_log(caplog):
     from lychee_pipeline.pipelines.training.nodes import assign_stage_slots
 
     with caplog.at_level(logging.INFO):
-        slots = assign_stage_slots(_plan_for(2).model_dump())
-    assert [s["devices"] for s in slots][:3] == [1, None, None] and slots[-1] == {"devices": 2, "final": True}
+        slots = assign_stage_slots(_plan_for(2))
+    assert [s.devices for s in slots][:3] == [1, None, None] and slots[-1].model_dump() == {"devices": 2, "final": True}
     line = next(r.getMessage() for r in caplog.records if "are not used" in r.getMessage())
     assert line.startswith("stage slots train_stage_2, train_stage_4,") and "train_stage_128" in line
     assert "train_stage_1," not in line and "with gpus=2" in line

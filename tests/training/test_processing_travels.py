@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from lychee_pipeline.pipelines.evaluation.nodes import candidate_table, score_test_set
-from lychee_pipeline.pipelines.training.nodes import plan_training, run_training_stage
+from lychee_pipeline.training.planning import plan_training, run_training_stage
 from lychee_pipeline.reranker import GroupCollator, PairCollator, ProcessingConfig, Reranker
 from lychee_pipeline.reranker.collate import DEFAULT_MAX_PIXELS
 from lychee_pipeline.reranker.model import read_metadata
@@ -65,9 +65,9 @@ def _test_records(root):
 
 def test_the_adapter_records_its_processing_settings(trained_stage):
     _, result = trained_stage
-    saved = read_metadata(result["adapter_dir"])["processing"]
+    saved = read_metadata(result.adapter_dir)["processing"]
     assert saved == {"max_length": 512, "min_pixels": 784, "max_pixels": TRAINED_PIXELS, "instructions": None}
-    assert result["processing"] == saved
+    assert result.model_dump()["processing"] == saved
 
 
 def test_evaluation_the_reranker_and_the_mlflow_model_score_with_the_trained_settings(trained_stage, tmp_path,
@@ -80,7 +80,7 @@ def test_evaluation_the_reranker_and_the_mlflow_model_score_with_the_trained_set
     stage = table[table["model"] != "base"]
     from_node = {(r.query_id, r.doc_id): r.score for r in stage.itertuples()}
 
-    reranker = Reranker.from_pretrained(result["adapter_dir"], device="cpu")
+    reranker = Reranker.from_pretrained(result.adapter_dir, device="cpu")
     assert reranker.processing == ProcessingConfig(512, 784, TRAINED_PIXELS, None)
     queries = candidate_table(records, 0)
     keys = [(q["query_id"], c["doc_id"]) for q in queries for c in q["candidates"]]
@@ -96,7 +96,7 @@ def test_evaluation_the_reranker_and_the_mlflow_model_score_with_the_trained_set
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     mlflow.set_experiment("processing-parity")  # not an experiment id another test's store left active
     with mlflow.start_run():
-        uri = log_reranker_model(result["adapter_dir"], base="builtin:tiny")
+        uri = log_reranker_model(result.adapter_dir, base="builtin:tiny")
     served = mlflow.pyfunc.load_model(uri).predict(pd.DataFrame([
         {"query_text": q["text"] or "", "query_image": q["image"] or "", "doc_text": d["text"] or "",
          "doc_image": d["image"] or "", "task_type": task} for (q, d), task in zip(pairs, task_types)]))
@@ -104,7 +104,7 @@ def test_evaluation_the_reranker_and_the_mlflow_model_score_with_the_trained_set
         assert value == pytest.approx(direct[key], abs=1e-5), key
 
     # The settings matter for these pairs: the library default budget scores them differently.
-    default = Reranker.from_pretrained(result["adapter_dir"], device="cpu", max_pixels=DEFAULT_MAX_PIXELS)
+    default = Reranker.from_pretrained(result.adapter_dir, device="cpu", max_pixels=DEFAULT_MAX_PIXELS)
     assert default.processing.max_pixels == DEFAULT_MAX_PIXELS and default.processing.max_length == 512
     changed = default.score_pairs(pairs, task_types)
     assert max(abs(a - direct[k]) for a, k in zip(changed, keys)) > 1e-4

@@ -1,4 +1,4 @@
-"""The launcher's progress display, fed by the ranks' heartbeats (training/progress.py), on real 2-process stages:
+"""The launcher's progress display, fed by the ranks' heartbeats (runtime/progress.py), on real 2-process stages:
 
 - under a pseudo-terminal, one rich bar for the stage that reaches 100% (and no relayed line per step);
 - without a terminal, a few plain lines naming the stage (not one per step), the last at 100%, while the
@@ -19,8 +19,8 @@ import termios
 import time
 from pathlib import Path
 
-from lychee_pipeline.training.heartbeat import Heartbeat, read_heartbeats
-from lychee_pipeline.training.progress import summarize
+from lychee_pipeline.runtime.heartbeat import Heartbeat, read_heartbeats
+from lychee_pipeline.runtime.progress import summarize
 
 COLOUR = re.compile(r"\x1b\[[0-9;]*m")  # inside a line
 CURSOR = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\r")  # a redraw: a new line of the screen
@@ -29,7 +29,7 @@ CURSOR = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\r")  # a redraw
 # a terminal, plain lines on stderr otherwise (hooks.plain_console_log_when_not_a_terminal).
 DRIVER = """
 import logging, sys
-from lychee_pipeline.pipelines.training.nodes import plan_training, run_training_stage
+from lychee_pipeline.training.planning import plan_training, run_training_stage
 table, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if sys.stderr.isatty():
     from rich.logging import RichHandler
@@ -43,7 +43,7 @@ training = dict(group_size=4, learning_rate=1e-3, warmup_ratio=0.0, scheduler="c
 plan = plan_training({"name_or_path": "builtin:tiny", "lora": {"r": 8}}, training, {"check_steps": {1: 6, 2: 6}},
                      2, "cpu", {"name": "t", "output_root": out})
 result = run_training_stage(table, plan, devices=2, final=True)
-print("RESULT steps", result["steps"], flush=True)
+print("RESULT steps", result.steps, flush=True)
 """
 
 
@@ -96,7 +96,7 @@ def test_without_a_terminal_a_few_plain_lines_name_the_stage(tmp_path, training_
                           capture_output=True, text=True, env=_env(), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stderr.splitlines()
-    progress = [line for line in lines if "lychee_pipeline.training.progress" in line]
+    progress = [line for line in lines if "lychee_pipeline.runtime.progress" in line]
     # at most one per tenth of the stage (or 30 s) and the last one: a few lines, never one per step
     assert 1 <= len(progress) <= 12, progress
     assert all("stage_2cpu_final: step " in line for line in progress), progress
@@ -134,9 +134,9 @@ def test_a_scoring_launch_shows_each_model_to_the_end(tmp_path, caplog):
     every model once the ranks are past the final barrier, is shown complete (real heartbeat files)."""
     import logging
 
-    from lychee_pipeline.training.progress import StageProgress
+    from lychee_pipeline.runtime.progress import StageProgress
 
-    caplog.set_level(logging.INFO, logger="lychee_pipeline.training.progress")
+    caplog.set_level(logging.INFO, logger="lychee_pipeline.runtime.progress")
     shown = StageProgress("scoring", terminal=False)
     ranks = [Heartbeat(tmp_path, rank, unit="pair", sharded=True) for rank in (0, 1)]
     for rank in ranks:
@@ -149,7 +149,7 @@ def test_a_scoring_launch_shows_each_model_to_the_end(tmp_path, caplog):
         rank(0, "leaving")
     shown.update(read_heartbeats(tmp_path))
     shown.close()
-    lines = [r.getMessage() for r in caplog.records if r.name == "lychee_pipeline.training.progress"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "lychee_pipeline.runtime.progress"]
     assert "scoring base: 21/21 pairs (100%)" in "\n".join(lines), lines
     assert "scoring stage_1cpu_final: 21/21 pairs (100%)" in lines[-1], lines
     assert len(lines) <= 5, lines
@@ -160,9 +160,9 @@ def test_counted_work_in_a_file_is_a_few_plain_lines(caplog, capsys):
     like a stage's, never a bar redrawn with carriage returns and cursor codes."""
     import logging
 
-    from lychee_pipeline.training.progress import CountedProgress
+    from lychee_pipeline.runtime.progress import CountedProgress
 
-    with caplog.at_level(logging.INFO, logger="lychee_pipeline.training.progress"):
+    with caplog.at_level(logging.INFO, logger="lychee_pipeline.runtime.progress"):
         progress = CountedProgress("checking images", 500, "image")
         for _ in range(500):
             progress.update()

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 from stage_plans import RESUME, worker_plan
 
-from lychee_pipeline.pipelines.training.nodes import StageGateError, check_stage, plan_training, run_training_stage
-from lychee_pipeline.training.launch import StageFailed
+from lychee_pipeline.pipelines.training.nodes import check_stage
+from lychee_pipeline.training.gate import StageGateError
+from lychee_pipeline.training.planning import plan_training, run_training_stage
+from lychee_pipeline.runtime.launcher import StageFailed
 
 
 def _plan(tmp_path, gpus=1, **training):
@@ -20,10 +22,10 @@ def _plan(tmp_path, gpus=1, **training):
 def test_two_cpu_processes_stay_in_sync(two_process_epoch):
     # One epoch of the 24-record table on 2 processes; the run is shared with test_training_correctness.py.
     plan, result = two_process_epoch["plan"], two_process_epoch["result"]
-    assert result["devices"] == 2 and result["device_type"] == "cpu"
-    assert result["steps"] == 12 and result["train_pairs"] == 96  # 12 steps x 2 processes x 1 group of 4 pairs
-    assert result["replica_max_diff"] == 0.0  # gradients all-reduced: identical replicas
-    assert len(result["peak_mem_gib"]) == 2
+    assert result.devices == 2 and result.device_type == "cpu"
+    assert result.steps == 12 and result.train_pairs == 96  # 12 steps x 2 processes x 1 group of 4 pairs
+    assert result.replica_max_diff == 0.0  # gradients all-reduced: identical replicas
+    assert len(result.peak_mem_gib) == 2
     check_stage(result, plan)
 
 
@@ -38,8 +40,8 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path, large_image_table
     monkeypatch.delenv("LYCHEE_FAULT")
     resumed = run_training_stage(large_image_table, worker_plan(tmp_path / "killed", resume=True, **RESUME),
                                  devices=1, final=True)
-    assert [s for s, _ in resumed["losses"]] == [1, 2, 3, 4, 5, 6, 7, 8]
-    assert [x for _, x in resumed["losses"]] == pytest.approx([x for _, x in reference["losses"]], abs=1e-6)
+    assert [s for s, _ in resumed.losses] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [x for _, x in resumed.losses] == pytest.approx([x for _, x in reference.losses], abs=1e-6)
 
 
 def test_gate_stops_injected_nan(tmp_path, training_table_path, monkeypatch):

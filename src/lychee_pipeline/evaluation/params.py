@@ -60,6 +60,6 @@ def evaluation_params(values: EvaluationParams | dict[str, Any] | None) -> Evalu
     """The ``evaluation:`` parameters as `EvaluationParams` (as they are when already typed)."""
     if isinstance(values, EvaluationParams):
         return values
-    from lychee_pipeline.training.planning import validated  # the one-line parameter error of the planner
+    from lychee_pipeline.runtime.errors import validated
 
     return validated(EvaluationParams, "evaluation", dict(values or {}))

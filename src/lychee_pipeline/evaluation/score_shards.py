@@ -1,10 +1,10 @@
 """Sharded test-set scoring: the entry point each `accelerate launch` process runs (Kedro-free).
 
-`python -m lychee_pipeline.evaluation.score_shards --spec <scoring folder>/spec.json`, started by
-`lychee_pipeline.training.launch.run_stage(..., module=__name__)` on `gpus` GPUs or N CPU processes (gloo).
+`python -m lychee_pipeline.evaluation.score_shards --spec <scoring folder>/spec.json`, started as a runtime
+`LaunchJob` (`evaluation.scoring.launch_scoring`) on `gpus` GPUs or N CPU processes (gloo).
 
-The spec lists jobs, one per model: ``{"name", "name_or_path", "adapter", "options", "pairs_path",
-"scores_path"}``. For each job every process loads the model on its device, scores its shard of the pairs
+The spec is a `ScoringJobSpec`: its jobs, one per model (`ScoringJob`: name, name_or_path, adapter, options,
+pairs_path, scores_path), and the launch settings. For each job every process loads the model on its device, scores its shard of the pairs
 (pair ``i`` goes to rank ``i % world_size``, so every rank gets the same mix of short and long pairs) with
 the length-sorted batched scorer ``Reranker.score_pairs``, and rank 0 gathers the shards, puts the scores
 back in the original pair order and writes them once (``scores_path``, Parquet, one ``score`` column).
@@ -22,14 +22,16 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict
 
-from lychee_pipeline.training.heartbeat import Heartbeat
+from lychee_pipeline.runtime.heartbeat import Heartbeat
+from lychee_pipeline.runtime.settings import LaunchParams
 
 log = logging.getLogger("lychee_pipeline.evaluation.score_shards")
 
@@ -37,6 +39,37 @@ SLICE = 1024  # pairs handed to score_pairs at once: large enough for its length
 PROGRESS_EVERY_S = 20.0  # a progress line this often while scoring, when the output is a file
 PAIR_SCHEMA = pa.schema([("query_text", pa.string()), ("query_image", pa.string()),
                          ("doc_text", pa.string()), ("doc_image", pa.string()), ("instruction", pa.string())])
+
+
+class ScoringJob(BaseModel):
+    """One model to score on every process: its pairs file, and where rank 0 writes the scores."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    name_or_path: str
+    adapter: str | None = None  # a stage's saved folder, which names its own base model
+    options: dict[str, Any] = {}  # keyword arguments of Reranker.from_pretrained (the device is the rank's)
+    pairs_path: str
+    scores_path: str
+
+
+class ScoringJobSpec(BaseModel):
+    """What a scoring launch's processes read from their spec file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stage: str  # the launch's name in logs and progress
+    output_dir: str  # where rank 0 writes result.json (the launch's folder)
+    jobs: list[ScoringJob]
+    launch: LaunchParams = LaunchParams(mixed_precision="no")  # the model's own dtype decides; no autocast
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(), indent=1)
+
+    @classmethod
+    def read(cls, path: Path | str) -> ScoringJobSpec:
+        return cls.model_validate(json.loads(Path(path).read_text()))
 
 
 def write_pairs(pairs: Sequence[Sequence[Any]], path: Path) -> Path:
@@ -107,16 +140,16 @@ def shard(n: int, rank: int, world: int) -> range:
     return range(rank, n, world)
 
 
-def _load(job: Mapping[str, Any], device: str) -> Any:
+def _load(job: ScoringJob, device: str) -> Any:
     from lychee_pipeline.reranker import Reranker
 
-    options = {**dict(job.get("options") or {}), "device": device}
-    if job.get("adapter"):  # a stage's saved folder names its own base model
-        return Reranker.from_pretrained(str(job["adapter"]), **options)
-    return Reranker.from_pretrained(str(job["name_or_path"]), **options)
+    options = {**job.options, "device": device}
+    if job.adapter:  # a stage's saved folder names its own base model
+        return Reranker.from_pretrained(job.adapter, **options)
+    return Reranker.from_pretrained(job.name_or_path, **options)
 
 
-def run_job(job: Mapping[str, Any], state: Any, beat: Callable[[int, str], None] = lambda step, phase: None
+def run_job(job: ScoringJob, state: Any, beat: Callable[[int, str], None] = lambda step, phase: None
             ) -> dict[str, Any]:
     """Score one model's pairs on this process's shard; rank 0 gathers and writes the scores.
 
@@ -129,16 +162,16 @@ def run_job(job: Mapping[str, Any], state: Any, beat: Callable[[int, str], None]
     if distributed:
         dist.barrier()
     started = time.perf_counter()
-    pairs = read_pairs(job["pairs_path"])
+    pairs = read_pairs(job.pairs_path)
     mine = shard(len(pairs), state.process_index, state.num_processes)
     reranker = _load(job, str(state.device))
     loaded = time.perf_counter()
     # loaded: from here on the watchdog's limit is watchdog_s between slices. The launcher shows the progress of
-    # all shards together (training/progress.py), so the ranks print none of their own.
-    beat(0, "step", total=len(pairs), task=job["name"])
+    # all shards together (runtime/progress.py), so the ranks print none of their own.
+    beat(0, "step", total=len(pairs), task=job.name)
     scores = score_pairs_in_slices(reranker, [pairs[i] for i in mine], on_slice=lambda done: beat(done, "step"))
     scored = time.perf_counter()
-    log.info("%s: shard of %d/%d pairs scored in %.2f s", job["name"], len(mine), len(pairs), scored - loaded)
+    log.info("%s: shard of %d/%d pairs scored in %.2f s", job.name, len(mine), len(pairs), scored - loaded)
     del reranker
     shards: list[Any] = [None] * state.num_processes
     if distributed:
@@ -151,17 +184,17 @@ def run_job(job: Mapping[str, Any], state: Any, beat: Callable[[int, str], None]
         for rank, values, _ in shards:
             for i, value in zip(shard(len(pairs), rank, state.num_processes), values, strict=True):
                 ordered[i] = value
-        write_scores(ordered, job["scores_path"])
+        write_scores(ordered, job.scores_path)
         wall = time.perf_counter() - started
         scoring_s = max(s for _, _, s in shards)  # the slowest shard decides when the scores are all there
         figures = {
-            "name": job["name"], "pairs": len(pairs), "processes": state.num_processes,
+            "name": job.name, "pairs": len(pairs), "processes": state.num_processes,
             "device": str(state.device).split(":")[0], "seconds": wall, "load_seconds": loaded - started,
             "scoring_seconds": scoring_s, "pairs_per_s": len(pairs) / scoring_s if scoring_s > 0 else None,
             "rank_scoring_seconds": [s for _, _, s in sorted(shards, key=lambda t: t[0])],
-            "scores_path": str(job["scores_path"]),
+            "scores_path": job.scores_path,
         }
-        log.info("%s: %d pairs on %d process(es) in %.2f s (%.1f pairs/s)", job["name"], len(pairs),
+        log.info("%s: %d pairs on %d process(es) in %.2f s (%.1f pairs/s)", job.name, len(pairs),
                  state.num_processes, wall, figures["pairs_per_s"] or 0.0)
     return figures
 
@@ -170,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", required=True)
     args = parser.parse_args(argv)
-    spec = json.loads(Path(args.spec).read_text())
+    spec = ScoringJobSpec.read(args.spec)
 
     from accelerate import PartialState
     from accelerate.utils import parse_flag_from_env
@@ -184,14 +217,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     import torch
 
     torch.manual_seed(0)
-    beat = Heartbeat(spec["output_dir"], state.process_index, str(state.distributed_type),  # the launcher's watchdog
+    beat = Heartbeat(spec.output_dir, state.process_index, str(state.distributed_type),  # the launcher's watchdog
                      unit="pair", sharded=True)
     beat(0, "started")
-    results = [run_job(job, state, beat) for job in spec["jobs"]]
+    results = [run_job(job, state, beat) for job in spec.jobs]
     if state.is_main_process:
-        out = Path(spec["output_dir"]) / "result.json"
+        out = Path(spec.output_dir) / "result.json"
         tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"stage": spec["stage"], "processes": state.num_processes, "jobs": results},
+        tmp.write_text(json.dumps({"stage": spec.stage, "processes": state.num_processes, "jobs": results},
                                   indent=1))
         os.replace(tmp, out)
     state.wait_for_everyone()

@@ -160,7 +160,7 @@ def _signatures(paths: Sequence[str], cache: MiningCache, hash_size: int, progre
     found = cache.get_images(unique, hash_size)
     missing = [p for p in unique if p not in found]
     if missing:
-        from lychee_pipeline.training.progress import CountedProgress
+        from lychee_pipeline.runtime.progress import CountedProgress
 
         chunks = [missing[i : i + 256] for i in range(0, len(missing), 256)]
         with CountedProgress("mining: image hashes", len(missing), "image", enabled=progress) as bar:
@@ -313,7 +313,7 @@ def mine_table(
                             LOG_SCHEMA.empty_table(), {})
     pool = _Pool(table)
     counts["documents"] = len(pool.docs)
-    from lychee_pipeline.training.progress import CountedProgress
+    from lychee_pipeline.runtime.progress import CountedProgress
 
     with MiningCache(p.cache_path) as cache, contextlib.ExitStack() as closing:  # the bars stop on an error too
         t0 = time.perf_counter()

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator,
 from pydantic_core import PydanticCustomError
 
 from lychee_pipeline.reranker.collate import DEFAULT_MAX_LENGTH, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
+from lychee_pipeline.runtime.settings import LaunchParams  # training.launch: how a stage is launched
 
 
 class _Strict(BaseModel):
@@ -22,22 +23,6 @@ class _Strict(BaseModel):
 class ResolutionStep(_Strict):
     start: float = Field(..., ge=0.0, lt=1.0)  # from this fraction of training progress on
     max_pixels: PositiveInt
-
-
-class LaunchParams(_Strict):
-    strategy: Literal["ddp", "zero2", "zero3", "fsdp2"] = "ddp"
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
-    num_machines: PositiveInt = 1
-    machine_rank: int = Field(0, ge=0)
-    main_process_ip: str | None = None
-    main_process_port: int | None = Field(None, ge=1024, le=65535)
-    timeout_s: PositiveInt = 6 * 3600  # wall-clock limit of one stage's launcher
-    process_group_timeout_s: PositiveInt = 600  # a rank waiting longer on a collective fails
-    # The launcher's watchdog (per-rank heartbeat files, see training/heartbeat.py):
-    watchdog_s: PositiveInt = 1800  # a rank with no progress (no step, no phase change) this long stops the stage
-    hang_after_exit_s: PositiveInt = 120  # after one rank exited, another silent this long is named as hung
-    rendezvous_timeout_s: PositiveInt = 900  # startup limit: past the rendezvous (else the missing machines named) and to step 1
-    threads_per_process: PositiveInt = 1  # CPU runs only
 
 
 class DataLoaderParams(_Strict):

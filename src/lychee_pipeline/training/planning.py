@@ -18,12 +18,15 @@ from typing import Any, Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
-from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from lychee_pipeline.reranker.model import ModelConfig
 from lychee_pipeline.training import checkpoints
 from lychee_pipeline.training.config import StageParams, TrainingParams
-from lychee_pipeline.training.launch import check_device_count, check_stage_lock, resolve_device, run_stage
+from lychee_pipeline.training.stage_launch import run_stage
+from lychee_pipeline.runtime.errors import validated
+from lychee_pipeline.runtime.launcher import check_device_count, resolve_device
+from lychee_pipeline.runtime.processes import check_stage_lock
 from lychee_pipeline.training.stage import (
     RESULT_FILE,
     StageOutcome,
@@ -52,32 +55,6 @@ def stage_devices(gpus: int) -> list[int]:
         ladder.append(n)
         n *= 2
     return ladder + [gpus]
-
-
-class ParameterError(ValidationError):
-    """A bad parameter, in one line naming it (`invalid parameter training.learning_rate: ...`).
-
-    A pydantic ValidationError (and so a ValueError) whose message is one line instead of pydantic's block.
-    """
-
-    def __str__(self) -> str:
-        return "; ".join(
-            "invalid parameter " + ".".join([self.title, *map(str, e["loc"])]) + f": {e['msg']}"
-            + (f" (got {e['input']!r})" if not isinstance(e.get("input"), dict) else "")
-            for e in self.errors(include_url=False)
-        )
-
-
-def validated(cls: type, section: str, values: dict) -> Any:
-    """`values` as `cls` (a pydantic model or a dataclass), or a ParameterError naming the bad key."""
-    try:
-        return TypeAdapter(cls).validate_python(values)
-    except ValidationError as error:
-        errors = [{k: v for k, v in e.items() if k in {"type", "loc", "input", "ctx"}} for e in error.errors()]
-        for e in errors:  # value errors carry the exception object; keep its message only
-            if "ctx" in e:
-                e["ctx"] = {k: str(v) for k, v in e["ctx"].items()}
-        raise ParameterError.from_exception_data(section, errors) from None
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -375,8 +352,8 @@ def run_training_stage(training_data: str, plan: TrainingPlan, devices: int, fin
             log.info("stage %s: not reusing %s: %s", spec.stage, stage_dir, why)
     if not spec.training.resume and stage_dir.exists():
         shutil.rmtree(stage_dir)
-    outcome = stage_outcome(run_stage(stage_dir, spec.model_dump(), devices, plan.device_type,
-                                      strategy_template(plan), tracking_env()))
+    outcome = stage_outcome(run_stage(stage_dir, spec, devices, plan.device_type, strategy_template(plan),
+                                      tracking_env()))
     if isinstance(outcome, StageResult) and outcome.tracking_failures:
         log.warning("stage %s finished, but MLflow tracking failed %d time(s) (figures are in result.json): %s",
                     spec.stage, len(outcome.tracking_failures), outcome.tracking_failures[0])

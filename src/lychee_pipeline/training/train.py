@@ -32,7 +32,7 @@ from lychee_pipeline.reranker.processing import ProcessingConfig
 from lychee_pipeline.tracking import StageTracker
 from lychee_pipeline.training import checkpoints, memory
 from lychee_pipeline.training.config import TrainingParams
-from lychee_pipeline.training.heartbeat import Heartbeat  # read by the launcher's watchdog (launch.py)
+from lychee_pipeline.runtime.heartbeat import Heartbeat  # read by the launcher's watchdog (runtime/watchdog.py)
 from lychee_pipeline.training.sampling import EpochPermutation, Slot, SlotDataset, loss_scale
 from lychee_pipeline.training.schedule import Schedule
 from lychee_pipeline.training.stage import RESULT_FILE, StageResult, StageSpec

@@ -31,7 +31,7 @@ from lychee_pipeline.pipelines.evaluation.nodes import (
     score_test_set,
 )
 from lychee_pipeline.reranker.tiny import ensure_tiny
-from lychee_pipeline.training.heartbeat import read_heartbeats
+from lychee_pipeline.runtime.heartbeat import read_heartbeats
 
 ROOT = Path(__file__).resolve().parents[3]
 PARAMS = yaml.safe_load((ROOT / "conf/base/parameters_evaluation.yml").read_text())["evaluation"]

@@ -20,7 +20,7 @@ from lychee_pipeline.pipelines.image_normalization.images import (
 )
 from lychee_pipeline.project import stored_path
 from lychee_pipeline.schema import MANIFEST_SCHEMA, MODEL_INPUT_SCHEMA, QUARANTINE_SCHEMA, REMOVED_NEGATIVE_SCHEMA
-from lychee_pipeline.training.progress import CountedProgress
+from lychee_pipeline.runtime.progress import CountedProgress
 
 logger = logging.getLogger(__name__)
 

@@ -10,10 +10,10 @@ import pandas as pd
 
 from lychee_pipeline import registry
 from lychee_pipeline.evaluation.params import EvaluationParams, evaluation_params
-from lychee_pipeline.pipelines.evaluation.nodes import BASE, candidate_table, score_candidates
+from lychee_pipeline.evaluation.scoring import BASE, candidate_table, score_candidates
 from lychee_pipeline.reranker.model import ModelConfig
 from lychee_pipeline.training.config import TrainingParams
-from lychee_pipeline.training.planning import validated
+from lychee_pipeline.runtime.errors import validated
 from lychee_pipeline.training.stage import StageResult, as_stage_results
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ from typing import Any
 from lychee_pipeline.evaluation.report import stage_run_metrics
 from lychee_pipeline.evaluation.scaling import ScalingReport
 from lychee_pipeline.reranker.model import ModelConfig
-from lychee_pipeline.training.planning import validated
+from lychee_pipeline.runtime.errors import validated
 from lychee_pipeline.training.stage import as_stage_results
 
 log = logging.getLogger(__name__)

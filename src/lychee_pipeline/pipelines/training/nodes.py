@@ -1,7 +1,8 @@
 """Training nodes: thin wrappers over `lychee_pipeline.training` (planning, the stage contract, the gate).
 
-The catalog holds the plan, the stage slots and each stage's result as JSON-able dicts; the nodes turn them
-into their typed models (`TrainingPlan`, `StageSlot`, `StageResult`) and back.
+Typed from the parameters on: `plan_training` validates the YAML blocks once into a `TrainingPlan`, which the
+catalog stores as JSON and gives back typed (`PydanticJSONDataset`); the slots travel as `StageSlot`s in
+memory. Only a gated stage result leaves as a dict, for its JSON dataset and the `stage_results` list.
 """
 
 from __future__ import annotations
@@ -12,70 +13,62 @@ from typing import Any
 import pyarrow as pa
 
 from lychee_pipeline.training import gate, planning
-from lychee_pipeline.training.gate import StageGateError
-from lychee_pipeline.training.planning import ParameterError, StageSlot, TrainingPlan, UnusedSlot, slot_outcome
+from lychee_pipeline.training.planning import StageSlot, TrainingPlan, UnusedSlot, slot_outcome
+from lychee_pipeline.training.stage import StageOutcome
 
-__all__ = ["ParameterError", "StageGateError", "assign_stage_slots", "check_stage", "collect_stage_results",
-           "export_training_table", "final_stage_slot", "plan_smoke_training", "plan_training", "run_stage_slot",
-           "run_training_stage"]
+__all__ = ["assign_stage_slots", "check_stage", "collect_stage_results", "export_training_table",
+           "final_stage_slot", "plan_smoke_training", "plan_training", "run_stage_slot"]
 
 log = logging.getLogger(__name__)
 
 
 def plan_training(model: dict, training: dict, stages: dict, gpus: int, device: str, run: dict,
-                  overrides: dict | None = None) -> dict[str, Any]:
+                  overrides: dict | None = None) -> TrainingPlan:
     """Validate the parameters and lay out the stages before anything launches."""
-    return planning.plan_training(model, training, stages, gpus, device, run, overrides).model_dump()
+    return planning.plan_training(model, training, stages, gpus, device, run, overrides)
 
 
-def plan_smoke_training(model: dict, training: dict, stages: dict, device: str, run: dict, smoke: dict) -> dict:
+def plan_smoke_training(model: dict, training: dict, stages: dict, device: str, run: dict, smoke: dict
+                        ) -> TrainingPlan:
     """Plan the smoke run: one stage on one device, with the `smoke` overrides."""
     run = {**run, "name": smoke.get("run_name", "smoke")}
     return plan_training({**model, **(smoke.get("model") or {})}, training, stages, 1, device, run,
                          overrides=smoke.get("training"))
 
 
-def assign_stage_slots(plan: dict) -> list[dict]:
+def assign_stage_slots(plan: TrainingPlan) -> list[StageSlot]:
     """One slot per check rung, then the final stage (a rung the ladder does not need runs nothing)."""
-    typed_plan = TrainingPlan.model_validate(plan)
-    slots = typed_plan.stage_slots()
+    slots = plan.stage_slots()
     unused = [f"train_stage_{d}" for d, slot in zip(planning.rung_devices(), slots) if slot.devices is None]
     if unused:  # Kedro still logs "Running node" for each of them
         log.info("stage slots %s are not used with gpus=%d: they pass through without launching anything",
-                 ", ".join(unused), typed_plan.gpus)
-    return [slot.model_dump() for slot in slots]
+                 ", ".join(unused), plan.gpus)
+    return slots
 
 
-def final_stage_slot(plan: dict) -> dict:
+def final_stage_slot(plan: TrainingPlan) -> StageSlot:
     """The final stage's slot alone (the smoke run has no check stages)."""
-    return TrainingPlan.model_validate(plan).stage_slots()[-1].model_dump()
+    return plan.stage_slots()[-1]
 
 
-def export_training_table(train_records: pa.Table, plan: dict) -> str:
+def export_training_table(train_records: pa.Table, plan: TrainingPlan) -> str:
     """Write the training split once per run as Parquet, for the stage processes to memory-map."""
-    return planning.export_training_table(train_records, TrainingPlan.model_validate(plan))
+    return planning.export_training_table(train_records, plan)
 
 
-def run_training_stage(training_data: str, plan: dict, devices: int, final: bool) -> dict[str, Any]:
-    """Launch (or reuse) one stage and return its result."""
-    return planning.run_training_stage(training_data, TrainingPlan.model_validate(plan), devices, final).model_dump()
-
-
-def run_stage_slot(training_data: str, plan: dict, slot: dict, after: Any = None) -> dict:
+def run_stage_slot(training_data: str, plan: TrainingPlan, slot: StageSlot, after: Any = None
+                   ) -> StageOutcome | UnusedSlot:
     """Run the slot's stage (`after`: the dataset it waits for), or say why this run's ladder has none there."""
-    slot, typed_plan = StageSlot.model_validate(slot), TrainingPlan.model_validate(plan)
     if slot.devices is None:
-        return UnusedSlot(reason=f"gpus={typed_plan.gpus}: the ladder {typed_plan.ladder} has no check stage here"
-                          ).model_dump()
-    return planning.run_training_stage(training_data, typed_plan, slot.devices, slot.final).model_dump()
+        return UnusedSlot(reason=f"gpus={plan.gpus}: the ladder {plan.ladder} has no check stage here")
+    return planning.run_training_stage(training_data, plan, slot.devices, slot.final)
 
 
-def check_stage(result: dict, plan: dict) -> dict:
-    """The gate between stages: raises StageGateError, or passes the result on (an unused slot too)."""
-    outcome = slot_outcome(result)
-    if not isinstance(outcome, UnusedSlot):
-        gate.check_stage(outcome, TrainingPlan.model_validate(plan).stages.gate)
-    return result  # passed on as it is
+def check_stage(result: StageOutcome | UnusedSlot, plan: TrainingPlan) -> dict:
+    """The gate between stages: raises StageGateError, or passes the result on (an unused slot too) as JSON."""
+    if not isinstance(result, UnusedSlot):
+        gate.check_stage(result, plan.stages.gate)
+    return result.model_dump()
 
 
 def collect_stage_results(*results: dict) -> list[dict]:

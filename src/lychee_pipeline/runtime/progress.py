@@ -1,4 +1,4 @@
-"""The launcher's view of a stage's progress, from the ranks' heartbeat files (training/heartbeat.py).
+"""The launcher's view of a stage's progress, from the ranks' heartbeat files (runtime/heartbeat.py).
 
 `StageProgress.update(beats)` takes the ranks' last heartbeat records (the launcher reads them once a second for
 its watchdog) and shows, per stage (and per task within a stage: the model a scoring launch scores):
