@@ -77,27 +77,26 @@ def _cpu_name() -> str:
 
 
 def cpu_benchmark(args) -> dict:
-    from lychee_pipeline.evaluation.score_shards import read_scores, write_pairs
+    from lychee_pipeline.evaluation.score_shards import ScoringJob, ScoringJobSpec, read_scores, write_pairs
+    from lychee_pipeline.evaluation.scoring import launch_scoring
     from lychee_pipeline.reranker.tiny import ensure_tiny
-    from lychee_pipeline.training.stage_launch import run_stage
+    from lychee_pipeline.runtime.settings import LaunchParams
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="eval_scoring_"))
     work.mkdir(parents=True, exist_ok=True)
     os.environ["LYCHEE_TINY_DIR"] = str(ensure_tiny(work / "tiny"))
     pairs = make_pairs(work, args.queries, args.docs, args.seed)
     pairs_path = write_pairs(pairs, work / "pairs.parquet")
-    launch = {"strategy": "ddp", "mixed_precision": "no", "num_machines": 1, "machine_rank": 0, "main_process_ip": None,
-              "main_process_port": None, "timeout_s": 3600, "threads_per_process": args.threads}
+    launch = LaunchParams(mixed_precision="no", timeout_s=3600, threads_per_process=args.threads)
     rows, reference = [], None
     for n in [int(p) for p in args.processes.split(",")]:
         for repeat in range(args.repeats):
             out = work / f"p{n}_r{repeat}"
-            spec = {"stage": f"eval_scoring_{n}", "output_dir": str(out.resolve()), "training": {"launch": launch},
-                    "jobs": [{"name": "tiny", "name_or_path": "builtin:tiny", "adapter": None,
-                              "options": {"batch_size": args.batch_size},
-                              "pairs_path": str(pairs_path.resolve()), "scores_path": str((out / "scores.parquet").resolve())}]}
+            spec = ScoringJobSpec(stage=f"eval_scoring_{n}", output_dir=str(out.resolve()), launch=launch, jobs=[
+                ScoringJob(name="tiny", name_or_path="builtin:tiny", options={"batch_size": args.batch_size},
+                           pairs_path=str(pairs_path.resolve()), scores_path=str((out / "scores.parquet").resolve()))])
             started = time.perf_counter()
-            result = run_stage(out, spec, n, "cpu", None, {}, module="lychee_pipeline.evaluation.score_shards")
+            result = launch_scoring(spec, n, "cpu")
             wall = time.perf_counter() - started
             job = result["jobs"][0]
             scores = read_scores(job["scores_path"])

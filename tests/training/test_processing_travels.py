@@ -13,7 +13,8 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from lychee_pipeline.pipelines.evaluation.nodes import candidate_table, score_test_set
+from lychee_pipeline.evaluation.scoring import candidate_table
+from lychee_pipeline.pipelines.evaluation.nodes import score_test_set
 from lychee_pipeline.training.planning import plan_training, run_training_stage
 from lychee_pipeline.reranker import GroupCollator, PairCollator, ProcessingConfig, Reranker
 from lychee_pipeline.reranker.collate import DEFAULT_MAX_PIXELS

@@ -21,7 +21,7 @@ from stage_results import make_result
 
 from lychee_pipeline.evaluation.report import PLOT_FILES
 from lychee_pipeline.pipelines.evaluation import create_pipeline
-from lychee_pipeline.pipelines.evaluation.nodes import SCORE_COLUMNS, candidate_table, models_to_score
+from lychee_pipeline.evaluation.scoring import SCORE_COLUMNS, candidate_table, models_to_score
 
 ROOT = Path(__file__).resolve().parents[3]
 PARAMS = yaml.safe_load((ROOT / "conf/base/parameters_evaluation.yml").read_text())["evaluation"]
@@ -80,7 +80,7 @@ def test_candidates_from_contract_records():
 
 def test_models_to_score():
     stages = [make_result(stage="stage_1gpu", adapter_dir="/a").model_dump(), make_result(stage="stage_2gpu", adapter_dir="/b")]
-    assert models_to_score(stages, {"name_or_path": "builtin:tiny"}) == [
+    assert [(m.name, m.source, m.adapter) for m in models_to_score(stages, {"name_or_path": "builtin:tiny"})] == [
         ("base", "builtin:tiny", None), ("stage_1gpu", "builtin:tiny", "/a"), ("stage_2gpu", "builtin:tiny", "/b")]
     without_adapter = {k: v for k, v in make_result(stage="s").model_dump().items() if k != "adapter_dir"}
     with pytest.raises(ValueError, match="stage result 's' is not a valid StageResult: adapter_dir: Field required"):

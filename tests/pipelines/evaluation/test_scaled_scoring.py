@@ -20,14 +20,12 @@ from PIL import Image
 from stage_results import make_result
 
 from lychee_pipeline.evaluation.scoring_report import add_scoring, scoring_mlflow_metrics
+from lychee_pipeline.evaluation.scoring import BASE, candidate_table, sample_queries
 from lychee_pipeline.pipelines.evaluation.nodes import (
-    BASE,
     build_report,
     compute_business_metrics,
     compute_ranking_metrics,
     compute_scaling_report,
-    sample_queries,
-    candidate_table,
     score_test_set,
 )
 from lychee_pipeline.reranker.tiny import ensure_tiny
