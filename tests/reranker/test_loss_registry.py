@@ -52,7 +52,7 @@ def test_a_registered_loss_trains_the_tiny_model_by_its_name(make_model, margin_
     batch.pop("group_size")
     before = [p.detach().clone() for p in model.trainable_parameters()]
     logits = model(**batch)
-    loss = compute_loss(logits, labels, group_weight, LossOptions(params.group_size, params.temperature))
+    loss = compute_loss(logits, labels, group_weight, params.loss_options())
     scores = (logits[:, 0] - logits[:, 1]).detach()
     expected = torch.relu(1.0 - (scores[0] - scores[1:3])).mean() / 2  # mean over 2 groups, the padding adds 0
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)

@@ -124,3 +124,12 @@ def test_the_slots_a_run_does_not_use_are_named_once_in_the_log(caplog):
     line = next(r.getMessage() for r in caplog.records if "are not used" in r.getMessage())
     assert line.startswith("stage slots train_stage_2, train_stage_4,") and "train_stage_128" in line
     assert "train_stage_1," not in line and "with gpus=2" in line
+
+
+def test_the_loss_reads_the_training_temperature_not_its_own_default():
+    """`LossOptions` is built by keyword from TrainingParams: the default 0.05, or the configured value."""
+    from lychee_pipeline.reranker.losses import LossOptions
+    from lychee_pipeline.training.config import TrainingParams
+
+    assert TrainingParams().loss_options() == LossOptions(group_size=8, temperature=0.05)
+    assert TrainingParams(group_size=4, temperature=0.2).loss_options() == LossOptions(group_size=4, temperature=0.2)

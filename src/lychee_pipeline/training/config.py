@@ -104,6 +104,13 @@ class TrainingParams(_Strict):
             raise ValueError("min_pixels must not exceed max_pixels")
         return self
 
+    def loss_options(self):
+        """What the registered loss reads, by keyword from these parameters (so the loss sees this temperature,
+        never `LossOptions`' own default)."""
+        from lychee_pipeline.reranker.losses import LossOptions  # torch: only where a loss is computed
+
+        return LossOptions(group_size=self.group_size, temperature=self.temperature)
+
 
 class GateParams(_Strict):
     require_finite: bool = True

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from lychee_pipeline.host import cpus_available
 from lychee_pipeline.reranker import GroupCollator, load_reranker
 from lychee_pipeline.reranker.collate import max_pixels_at, sample_group
-from lychee_pipeline.reranker.losses import LossOptions, get_loss
+from lychee_pipeline.reranker.losses import get_loss
 from lychee_pipeline.reranker.processing import ProcessingConfig
 from lychee_pipeline.tracking import StageTracker
 from lychee_pipeline.training import checkpoints, memory
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     sampler = EpochPermutation(len(records), train.seed, accelerator.num_processes * train.per_device_batch_size)
     trace_records = os.environ.get("LYCHEE_TRACE_RECORDS") == "1"  # tests: which records each step saw
     # a loss from a user's module is registered by now: reading the spec imported `training.loss_modules`
-    compute_loss, loss_options = get_loss(train.loss), LossOptions(train.group_size, train.temperature)
+    compute_loss, loss_options = get_loss(train.loss), train.loss_options()
     batches = len(sampler) // train.per_device_batch_size
     steps_per_epoch = max(1, math.ceil(batches / accelerator.num_processes / train.gradient_accumulation_steps))
     total_steps = train.max_steps or max(1, math.ceil(train.epochs * steps_per_epoch))
