@@ -7,7 +7,7 @@
 
 CPU: the pairs (``--queries`` x ``--docs``, text of mixed length, one small PNG per second document, fixed
 seed) are written once as Parquet and scored by the same code `kedro run` uses:
-``launch.run_stage(..., module="lychee_pipeline.evaluation.score_shards")`` starts `accelerate launch` with N
+``evaluation.scoring.launch_scoring(ScoringJobSpec)`` starts `accelerate launch` with N
 gloo processes (1 thread each), every rank scores its shard with ``Reranker.score_pairs`` and rank 0 gathers
 the scores. Printed per process count: the scoring rate (pairs / the slowest shard's scoring time), the wall
 time of the whole launch (start-up and model load included), and the ratio to 1 process; the scores of every
