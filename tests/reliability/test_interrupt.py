@@ -167,7 +167,7 @@ def test_ctrl_c_on_kedro_stops_the_whole_stage_and_resume_works(tmp_path, signum
     log_text = launch_log.read_text()
     assert f"resumed from {stage_dir.relative_to(root)}/checkpoints/checkpoint-{last} at step {last}" in log_text
     result = json.loads((stage_dir / "result.json").read_text())
-    assert result.steps == last + 2 and [s for s, _ in result.losses] == list(range(1, last + 3))
+    assert result["steps"] == last + 2 and [s for s, _ in result["losses"]] == list(range(1, last + 3))
     assert not (stage_dir / LOCK_NAME).exists()
 
 
