@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "reranker"))
-from lychee_pipeline.pipelines.demo_data.catalogue import ensure_demo_data, RECORDS_FILE
+from lychee_pipeline.data.catalogue import ensure_demo_data, RECORDS_FILE
 from lychee_pipeline.reranker import Reranker
 from test_scoring_pipeline import serial_scores
 torch.set_num_threads(1)

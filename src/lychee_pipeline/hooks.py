@@ -16,6 +16,7 @@ run: a one-line parameter error leaves no MLflow run at all.
 from __future__ import annotations
 
 import atexit
+import difflib
 import logging
 import os
 import re
@@ -219,8 +220,37 @@ class MlflowStoreHooks:
             log.warning("could not name the MLflow run: %s", exc)
 
 
+def typed_blocks() -> dict[str, type]:
+    """The parameter blocks that have a typed model, by their top-level key (defined beside their library)."""
+    from lychee_pipeline.data.params import DataParams, DataProcessingParams, RerankParams
+    from lychee_pipeline.mining import MiningParams
+    from lychee_pipeline.registry import RegistryParams, ServingParams
+
+    return {"data": DataParams, "data_processing": DataProcessingParams, "mining": MiningParams,
+            "rerank": RerankParams, "registry": RegistryParams, "serving": ServingParams}
+
+
+def check_typed_blocks(inputs: set[str], load) -> None:
+    """Validate, before anything runs, each typed block the pipeline reads (``load("params:<block>")``): a
+    mistyped nested key (``--params data_processing.split.sed=7``) fails here, one line per bad key, naming
+    the closest known key."""
+    from lychee_pipeline.runtime.errors import typed
+
+    blocks = typed_blocks()
+    read = sorted({i[len("params:"):].split(".")[0] for i in inputs if i.startswith("params:")} & set(blocks))
+    errors = []
+    for block in read:
+        try:
+            typed(blocks[block], block, load(f"params:{block}"))
+        except ValueError as error:
+            errors.append(str(error))
+    if errors:
+        raise ValueError("\n".join(errors))
+
+
 class ParamsCheckHooks:
-    """`--params` keys the chosen pipeline does not read are named in a warning, with the key it does read."""
+    """The typed parameter blocks the chosen pipeline reads are validated before the run opens (a bad key
+    fails in one line); `--params` keys it does not read are named in a warning, with the key it does read."""
 
     def __init__(self) -> None:
         self._context = None
@@ -242,8 +272,9 @@ class ParamsCheckHooks:
             except Exception:  # noqa: BLE001
                 return {}
 
-    @hook_impl
+    @hook_impl(tryfirst=True)  # before kedro-mlflow opens the parent run: a bad parameter leaves no run
     def before_pipeline_run(self, run_params, pipeline, catalog) -> None:
+        check_typed_blocks(pipeline.inputs(), catalog.load)
         runtime = run_params.get("runtime_params") or {}
         if not runtime:
             return
@@ -288,7 +319,9 @@ def unread_params(runtime: dict, parameters: dict, inputs: set[str], pipeline_na
         elif key in flat_params or any(k.startswith(key + ".") for k in flat_params):
             messages.append(f"--params {key} is not read by the {pipeline_name} pipeline (no node of it takes it)")
         else:
-            messages.append(f"--params {key} is not a parameter of this project (see conf/base/parameters_*.yml)")
+            close = difflib.get_close_matches(key, list(flat_params), n=1, cutoff=0.8)
+            messages.append(f"--params {key} is not a parameter of this project (see conf/base/parameters_*.yml)"
+                            + (f"; did you mean {close[0]}?" if close else ""))
     return messages
 
 

@@ -14,7 +14,9 @@ The model's `reranker.json` artifact carries what scoring needs besides the weig
 - `image_roots`: the folders request image paths must lie in. The environment variable
   `LYCHEE_IMAGE_ROOTS` (roots separated by `os.pathsep`) replaces them where the model is served.
   An image path outside every root (symlinks resolved first), or any image path when no root is
-  configured, is refused with an error naming the row and the path; nothing is read.
+  configured, is refused with an error naming the row and the path; nothing is read. The roots are parsed
+  and a path is confined by the data layer's one rule (`lychee_pipeline.data.images`), the rule ingestion
+  used on the training data.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from typing import Any
 
 import mlflow
 import pandas as pd
+
+from lychee_pipeline.data import images
 
 ENV_IMAGE_ROOTS = "LYCHEE_IMAGE_ROOTS"
 COLUMNS = ("query_text", "query_image", "doc_text", "doc_image", "task_type")
@@ -49,37 +53,36 @@ def _item(text: Any, image: Any) -> dict:
     return {"text": _clean(text), "image": _clean(image)}
 
 
-def image_roots_from(config: dict[str, Any], environ: dict[str, str] | None = None) -> list[Path]:
+def image_roots_from(config: dict[str, Any], environ: dict[str, str] | None = None) -> list[str]:
     """The serving image roots: `LYCHEE_IMAGE_ROOTS` if set, else the model's logged `image_roots`."""
     env = (environ if environ is not None else os.environ).get(ENV_IMAGE_ROOTS)
-    roots = env.split(os.pathsep) if env else list(config.get("image_roots") or [])
-    return [Path(r).expanduser().resolve() for r in roots if str(r).strip()]
+    return images.parse_image_roots(env if env else config.get("image_roots"))
 
 
-def confine_image(path: Any, roots: list[Path]) -> str:
-    """The resolved absolute path of a request image inside `roots`, or :class:`ImagePathError`.
+def confine_image(path: Any, resolver: images.Resolver | None) -> str:
+    """The resolved absolute path of a request image inside the resolver's roots, or :class:`ImagePathError`.
 
-    Relative paths are looked up under each root in order (the first existing one wins); symlinks are
-    resolved before the check, so a link inside a root that points outside is refused.
+    The data layer's rule (`Resolver.confine`): relative paths are looked up under each root in order,
+    a name in the other Unicode normalization form is found, symlinks are resolved before the check (a
+    link inside a root that points outside is refused), and only a file is accepted.
     """
-    if not roots:
+    if resolver is None:
         raise ImagePathError(f"image paths are not accepted: no image roots are configured (set {ENV_IMAGE_ROOTS})")
-    given = Path(str(path)).expanduser()
-    candidates = [given.resolve()] if given.is_absolute() else [(root / given).resolve() for root in roots]
-    inside = [c for c in candidates if any(c == r or c.is_relative_to(r) for r in roots)]
-    if not inside:
-        raise ImagePathError(f"image path outside the allowed image roots: {path}")
-    found = next((c for c in inside if c.is_file()), None)
-    if found is None:
-        raise ImagePathError(f"image not found under the allowed image roots: {path}")
-    return str(found)
+    try:
+        return resolver.confine(str(path))
+    except images.ImagePathError as refused:
+        if refused.kind == images.ESCAPES_ROOTS:
+            raise ImagePathError(f"image path outside the allowed image roots: {path}") from None
+        raise ImagePathError(f"image not found under the allowed image roots: {path}") from None
 
 
-def pairs_from_frame(model_input: pd.DataFrame, roots: list[Path]) -> list[tuple[dict, dict]]:
+def pairs_from_frame(model_input: pd.DataFrame, roots: list[str]) -> list[tuple[dict, dict]]:
     """(query, document) items of each row, image paths confined to `roots`; errors name the row."""
     unknown = [c for c in model_input.columns if c not in COLUMNS]
     if unknown:
         raise ValueError(f"unknown column(s) {unknown}; expected some of {list(COLUMNS)}")
+    # one resolver per request: its cache must not keep a file that appears or goes between requests
+    resolver = images.Resolver(roots) if roots else None
     pairs = []
     for i, row in enumerate(model_input.to_dict("records")):
         query = _item(row.get("query_text"), row.get("query_image"))
@@ -89,7 +92,7 @@ def pairs_from_frame(model_input: pd.DataFrame, roots: list[Path]) -> list[tuple
                 raise ValueError(f"row {i}: the {side} has neither text nor image")
             if item["image"] is not None:
                 try:
-                    item["image"] = confine_image(item["image"], roots)
+                    item["image"] = confine_image(item["image"], resolver)
                 except ImagePathError as exc:
                     raise ImagePathError(f"row {i}: {exc}") from None
         pairs.append((query, doc))

@@ -22,12 +22,47 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import pandas as pd
+from pydantic import BaseModel, ConfigDict, field_validator
 
+from lychee_pipeline.data.images import parse_image_roots
 from lychee_pipeline.evaluation.metrics import paired_comparison, per_query_metrics
 
 log = logging.getLogger(__name__)
 
-DEFAULT_GATE = {"metric": "mrr_at_10", "alpha": 0.05, "min_improvement": 0.0}
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GateParams(_Strict):
+    """``registry.gate``: what a new version must show against the reference to get the alias."""
+
+    metric: str = "mrr_at_10"  # checked against the compared metrics, naming them (decide)
+    alpha: float = 0.05
+    min_improvement: float = 0.0
+
+
+class RegistryParams(_Strict):
+    """``registry:`` (conf/base/parameters_registry.yml)."""
+
+    enabled: bool = True
+    model_name: str = "lychee-reranker"
+    alias: str = "champion"
+    gate: GateParams = GateParams()
+
+
+class ServingParams(_Strict):
+    """``serving:``: what the logged MLflow model carries for serving (its reranker.json)."""
+
+    image_roots: list[str] | None = None  # None: the run's data image roots
+
+    @field_validator("image_roots", mode="before")
+    @classmethod
+    def _roots(cls, value: Any) -> list[str] | None:  # a YAML list, or one ':'-separated string from --params
+        return None if value is None else parse_image_roots(value)
+
+
+DEFAULT_GATE = GateParams().model_dump()
 TAG_LIMIT = 5000  # MLflow's tag value limit
 
 

@@ -13,7 +13,7 @@ from PIL import Image
 from reliability_helpers import make_table, stage_plan
 
 # imported first on purpose: the image check must not switch off PIL's bomb guard for the whole process
-from lychee_pipeline.pipelines.image_normalization.images import check_image
+from lychee_pipeline.data.images import check_image
 from lychee_pipeline.pipelines.training import nodes
 from lychee_pipeline.training import planning
 from lychee_pipeline.reranker.collate import BrokenImageError, PairCollator, load_image

@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from lychee_pipeline.pipelines.image_normalization.images import Resolver
+from lychee_pipeline.data.images import Resolver
 from lychee_pipeline.reranker.model import ModelConfig
 
 PROJECT = Path(__file__).resolve().parents[2]

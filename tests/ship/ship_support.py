@@ -92,7 +92,8 @@ def register_run(records: list[dict[str, Any]], new_model: str, base_model: str,
     import mlflow
 
     from lychee_pipeline.pipelines.evaluation.nodes import score_test_set
-    from lychee_pipeline.pipelines.registry.nodes import register_final_model, serving_config
+    from lychee_pipeline.pipelines.registry.nodes import register_final_model
+    from lychee_pipeline.pipelines.reporting.nodes import serving_config
     from lychee_pipeline.tracking import log_reranker_model
 
     stage_results = [make_result(stage=stage, devices=1, peak_mem_gib=[1.0], adapter_dir=new_model,

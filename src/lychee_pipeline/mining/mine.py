@@ -27,12 +27,12 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, model_validator
 
 from lychee_pipeline.schema import MODEL_INPUT_SCHEMA
 
 from .cache import MiningCache, file_stamp, pair_key
 from .first_stage import ImageIndex, TextIndex, fuse, hamming, image_signature, normalize_text
+from .params import MiningParams
 
 log = logging.getLogger(__name__)
 
@@ -48,53 +48,6 @@ LOG_SCHEMA = pa.schema(
         pa.field("reason", pa.string()),  # why not kept
     ]
 )
-
-
-class MiningParams(BaseModel):
-    """``mining:`` parameters (conf/base/parameters_mining.yml; docs/data.md explains each)."""
-
-    model_config = ConfigDict(extra="forbid")
-    enabled: bool = False
-    smoke_enabled: bool = False
-    model: str | None = None  # null: the run's model.name_or_path
-    adapter: str | None = None
-    reranker: dict[str, Any] = {}
-    instruction: str | None = None
-    bm25_k: int = 50
-    image_k: int = 20
-    hash_size: int = 8
-    image_workers: int = 2
-    rescore_top: int = 30
-    rank_window: tuple[int, int] = (3, 30)
-    relative_margin: float = 0.95
-    near_duplicate_distance: int = 4
-    near_duplicate_colour: int = 6
-    n_mined: int = 4
-    n_random: int = 3
-    fill_with_random: bool = True
-    seed: int = 0
-    batch_queries: int = 512
-    cache_path: str | None = "data/04_feature/mining_cache.sqlite"
-    progress: bool = True
-
-    @model_validator(mode="after")
-    def _check(self) -> MiningParams:
-        a, b = self.rank_window
-        if not 1 <= a <= b:
-            raise ValueError(f"mining.rank_window must be [a, b] with 1 <= a <= b, got [{a}, {b}]")
-        if b > self.rescore_top:
-            raise ValueError(
-                f"mining.rank_window ends at rank {b} but only mining.rescore_top={self.rescore_top} candidates "
-                "are rescored: raise rescore_top or lower the window"
-            )
-        for name in ("bm25_k", "image_k", "n_mined", "n_random", "near_duplicate_distance", "near_duplicate_colour"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"mining.{name} must be >= 0")
-        if self.rescore_top < 1 or self.batch_queries < 1 or self.hash_size < 2 or self.image_workers < 1:
-            raise ValueError("mining.rescore_top, batch_queries and image_workers must be >= 1, hash_size >= 2")
-        if not 0 < self.relative_margin:
-            raise ValueError("mining.relative_margin must be > 0 (1.0 drops candidates scored above the positive)")
-        return self
 
 
 @dataclass
@@ -296,6 +249,132 @@ class _Scorer:
         return [found[k] for k in keys]
 
 
+@dataclass
+class _Tally:
+    """What a mining run counts and keeps across batches: counts, scores by kind, log rows of this batch."""
+
+    n: dict[str, int]
+    scores: dict[str, list[float]]
+    log_rows: list[dict[str, Any]]
+
+
+def _first_stage(rows: list[dict], text_index: TextIndex, image_index: ImageIndex, sigs: dict,
+                 p: MiningParams) -> tuple[list, list]:
+    """BM25 hits of each record's query text (the positive's text for an image-only query) and the pHash
+    neighbours of its query and positive images."""
+    text_queries = [(r["query"] or {}).get("text") or next((d.get("text") for d in r["positives"] if d.get("text")), None)
+                    for r in rows]
+    bm25 = text_index.search(text_queries, p.bm25_k) if p.bm25_k else [[] for _ in rows]
+    image_queries = []
+    for r in rows:
+        paths = [(r["query"] or {}).get("image")] + [d.get("image") for d in r["positives"]]
+        image_queries.append({sigs[x][0] for x in paths if x in sigs})
+    near = image_index.search(image_queries, p.image_k) if p.image_k else [[] for _ in rows]
+    return bm25, near
+
+
+def _plan_batch(rows: list[dict], bm25: list, near: list, pool: _Pool, sigs: dict, p: MiningParams,
+                n: dict[str, int]) -> tuple[list[tuple], list[tuple[dict, dict]]]:
+    """Per record: the fused candidates to rescore and the random draws; and every pair of the batch to score
+    (each record's positives, candidates and randoms, from its offset ``first``)."""
+    plans = []
+    pairs: list[tuple[dict, dict]] = []
+    for r, hits_t, hits_i in zip(rows, bm25, near):
+        exclude = {d["doc_id"] for d in r["positives"]} | {d["doc_id"] for d in r["negatives"]}
+        excluded = {pool.index[x] for x in exclude if x in pool.index}
+        rank_t = [d for d, _ in hits_t if d not in excluded]
+        rank_i = [d for d, _ in hits_i if d not in excluded]
+        cands = fuse([rank_t, rank_i], p.rescore_top) if p.n_mined else []  # n_mined 0: random only
+        n["candidates"] += len(set(rank_t) | set(rank_i))
+        via = {d: "+".join(x for x, s in (("bm25", rank_t), ("image", rank_i)) if d in s) for d in cands}
+        pos_sigs = [sigs.get(d.get("image")) for d in r["positives"]]
+        pos_sigs = [s for s in pos_sigs if s is not None]
+        pos_texts = {normalize_text(d.get("text")) for d in r["positives"]} - {""}
+        rng = _rng(p.seed, r["record_id"])
+        chosen = set(cands) | excluded
+        randoms = _draw_random(pool, sigs, p, rng, p.n_random, chosen, pos_texts, pos_sigs)
+        q = {"text": (r["query"] or {}).get("text"), "image": (r["query"] or {}).get("image")}
+        first = len(pairs)
+        pairs += [(q, {"text": d.get("text"), "image": d.get("image")}) for d in r["positives"]]
+        pairs += [(q, {"text": pool.docs[d].text, "image": pool.docs[d].image}) for d in cands + randoms]
+        plans.append((r, cands, randoms, via, pos_sigs, first, rng, chosen, pos_texts))
+    return plans, pairs
+
+
+def _take_negatives(plan: tuple, batch_scores: list[float], pool: _Pool, sigs: dict, p: MiningParams,
+                    tally: _Tally) -> tuple[list[dict], int]:
+    """A record's negatives after mining (its own, then the kept mined ones, then the random ones), and how
+    many mined ones were kept; every candidate's decision goes to the log."""
+    r, cands, randoms, via, pos_sigs, first, _, _, _ = plan
+    n, scores, log_rows = tally.n, tally.scores, tally.log_rows
+    n_pos = len(r["positives"])
+    pos_scores = batch_scores[first : first + n_pos]
+    cand_scores = batch_scores[first + n_pos : first + n_pos + len(cands)]
+    rand_scores = batch_scores[first + n_pos + len(cands) : first + n_pos + len(cands) + len(randoms)]
+    scores["positive"] += pos_scores
+    scores["candidate"] += cand_scores
+    floor = min(pos_scores) if pos_scores else None
+    n["rescored_candidates"] += len(cands)
+    if not cands:
+        n["queries_without_candidates"] += 1
+    ranked = sorted(zip(cands, cand_scores), key=lambda t: (-t[1], t[0]))
+
+    def false_negative(d: int, s: float, r=r, pos_sigs=pos_sigs, floor=floor) -> str | None:
+        return _false_negative(pool.docs[d], s, r["positives"], pos_sigs, sigs.get(pool.docs[d].image),
+                               floor, p, pool.norm_text[d])
+
+    decisions = select_negatives(ranked, p.rank_window, p.n_mined, false_negative)
+    negatives = list(r["negatives"])
+    mined = 0
+    for d, rank, s, kept, reason in decisions:
+        doc = pool.docs[d]
+        if reason and not reason.startswith(("above", "below", "enough")):
+            n["false_negatives"] += 1
+            key = "fn_same_text" if reason.startswith("same") else (
+                "fn_near_image" if reason.startswith("near") else "fn_margin")
+            n[key] += 1
+        if kept:
+            mined += 1
+            scores["mined"].append(s)
+            negatives.append({"doc_id": doc.doc_id, "text": doc.text, "image": doc.image, "hard": True,
+                              "meta": _with_mining_meta(doc.meta, {"source": "mined", "score": round(s, 6),
+                                                                   "rank": rank, "via": via[d]})})
+        log_rows.append({"record_id": r["record_id"], "doc_id": doc.doc_id, "source": "mined",
+                         "via": via[d], "rank": rank, "score": s, "kept": kept, "reason": reason})
+    n["mined"] += mined
+    n["queries_short"] += mined < p.n_mined
+    for d, s in zip(randoms, rand_scores):
+        doc = pool.docs[d]
+        scores["random"].append(s)
+        negatives.append({"doc_id": doc.doc_id, "text": doc.text, "image": doc.image, "hard": False,
+                          "meta": _with_mining_meta(doc.meta, {"source": "random", "score": round(s, 6)})})
+        log_rows.append({"record_id": r["record_id"], "doc_id": doc.doc_id, "source": "random",
+                         "via": "random", "rank": None, "score": s, "kept": True, "reason": None})
+    n["random"] += len(randoms)
+    return negatives, mined
+
+
+def _add_fills(out_rows: list[dict], fills: list[tuple[int, int]], scorer: _Scorer, pool: _Pool,
+               tally: _Tally) -> None:
+    """Score the random negatives that fill in for mined ones that ran short, and append them."""
+    n, scores, log_rows = tally.n, tally.scores, tally.log_rows
+    if fills:
+        q_of = lambda i: {"text": (out_rows[i]["query"] or {}).get("text"),  # noqa: E731
+                          "image": (out_rows[i]["query"] or {}).get("image")}
+        fill_scores = scorer([(q_of(i), {"text": pool.docs[d].text, "image": pool.docs[d].image})
+                              for i, d in fills])
+        for (i, d), s in zip(fills, fill_scores):
+            doc = pool.docs[d]
+            scores["random"].append(s)
+            out_rows[i]["negatives"].append(
+                {"doc_id": doc.doc_id, "text": doc.text, "image": doc.image, "hard": False,
+                 "meta": _with_mining_meta(doc.meta, {"source": "random", "score": round(s, 6), "fill": True})})
+            log_rows.append({"record_id": out_rows[i]["record_id"], "doc_id": doc.doc_id, "source": "random",
+                             "via": "random (fill)", "rank": None, "score": s, "kept": True, "reason": None})
+        n["random"] += len(fills)
+        n["random_fill"] += len(fills)
+
+
 def mine_table(
     table: pa.Table, params: MiningParams | Mapping[str, Any], reranker_factory: Callable[[], Any], model_id: str
 ) -> MiningResult:
@@ -329,117 +408,34 @@ def mine_table(
         scorer = _Scorer(reranker_factory, cache, model_id, p.instruction, p.progress)
         closing.callback(scorer.bar.close)
         out_batches: list[pa.RecordBatch] = []
-        log_rows: list[dict[str, Any]] = []
         log_batches: list[pa.RecordBatch] = []
         scores: dict[str, list[float]] = {"positive": [], "mined": [], "random": [], "candidate": []}
         n = {"candidates": 0, "rescored_candidates": 0, "false_negatives": 0, "fn_same_text": 0, "fn_near_image": 0,
              "fn_margin": 0, "mined": 0, "random": 0, "random_fill": 0, "queries_short": 0, "queries_without_candidates": 0}
+        tally = _Tally(n, scores, [])
         t_first = 0.0
         bar = closing.enter_context(CountedProgress("mining negatives", table.num_rows, "record", enabled=p.progress))
         for start in range(0, table.num_rows, p.batch_queries):
             rows = table.slice(start, p.batch_queries).to_pylist()
             t1 = time.perf_counter()
-            text_queries = [(r["query"] or {}).get("text") or next((d.get("text") for d in r["positives"] if d.get("text")), None)
-                            for r in rows]
-            bm25 = text_index.search(text_queries, p.bm25_k) if p.bm25_k else [[] for _ in rows]
-            image_queries = []
-            for r in rows:
-                paths = [(r["query"] or {}).get("image")] + [d.get("image") for d in r["positives"]]
-                image_queries.append({sigs[x][0] for x in paths if x in sigs})
-            near = image_index.search(image_queries, p.image_k) if p.image_k else [[] for _ in rows]
+            bm25, near = _first_stage(rows, text_index, image_index, sigs, p)
             t_first += time.perf_counter() - t1
 
-            plans = []
-            pairs: list[tuple[dict, dict]] = []
-            for r, hits_t, hits_i in zip(rows, bm25, near):
-                exclude = {d["doc_id"] for d in r["positives"]} | {d["doc_id"] for d in r["negatives"]}
-                excluded = {pool.index[x] for x in exclude if x in pool.index}
-                rank_t = [d for d, _ in hits_t if d not in excluded]
-                rank_i = [d for d, _ in hits_i if d not in excluded]
-                cands = fuse([rank_t, rank_i], p.rescore_top) if p.n_mined else []  # n_mined 0: random only
-                n["candidates"] += len(set(rank_t) | set(rank_i))
-                via = {d: "+".join(x for x, s in (("bm25", rank_t), ("image", rank_i)) if d in s) for d in cands}
-                pos_sigs = [sigs.get(d.get("image")) for d in r["positives"]]
-                pos_sigs = [s for s in pos_sigs if s is not None]
-                pos_texts = {normalize_text(d.get("text")) for d in r["positives"]} - {""}
-                rng = _rng(p.seed, r["record_id"])
-                chosen = set(cands) | excluded
-                randoms = _draw_random(pool, sigs, p, rng, p.n_random, chosen, pos_texts, pos_sigs)
-                q = {"text": (r["query"] or {}).get("text"), "image": (r["query"] or {}).get("image")}
-                first = len(pairs)
-                pairs += [(q, {"text": d.get("text"), "image": d.get("image")}) for d in r["positives"]]
-                pairs += [(q, {"text": pool.docs[d].text, "image": pool.docs[d].image}) for d in cands + randoms]
-                plans.append((r, cands, randoms, via, pos_sigs, first, rng, chosen, pos_texts))
+            plans, pairs = _plan_batch(rows, bm25, near, pool, sigs, p, n)
 
             batch_scores = scorer(pairs)
             out_rows, fills = [], []
-            for r, cands, randoms, via, pos_sigs, first, rng, chosen, pos_texts in plans:
-                n_pos = len(r["positives"])
-                pos_scores = batch_scores[first : first + n_pos]
-                cand_scores = batch_scores[first + n_pos : first + n_pos + len(cands)]
-                rand_scores = batch_scores[first + n_pos + len(cands) : first + n_pos + len(cands) + len(randoms)]
-                scores["positive"] += pos_scores
-                scores["candidate"] += cand_scores
-                floor = min(pos_scores) if pos_scores else None
-                n["rescored_candidates"] += len(cands)
-                if not cands:
-                    n["queries_without_candidates"] += 1
-                ranked = sorted(zip(cands, cand_scores), key=lambda t: (-t[1], t[0]))
-
-                def false_negative(d: int, s: float, r=r, pos_sigs=pos_sigs, floor=floor) -> str | None:
-                    return _false_negative(pool.docs[d], s, r["positives"], pos_sigs, sigs.get(pool.docs[d].image),
-                                           floor, p, pool.norm_text[d])
-
-                decisions = select_negatives(ranked, p.rank_window, p.n_mined, false_negative)
-                negatives = list(r["negatives"])
-                mined = 0
-                for d, rank, s, kept, reason in decisions:
-                    doc = pool.docs[d]
-                    if reason and not reason.startswith(("above", "below", "enough")):
-                        n["false_negatives"] += 1
-                        key = "fn_same_text" if reason.startswith("same") else (
-                            "fn_near_image" if reason.startswith("near") else "fn_margin")
-                        n[key] += 1
-                    if kept:
-                        mined += 1
-                        scores["mined"].append(s)
-                        negatives.append({"doc_id": doc.doc_id, "text": doc.text, "image": doc.image, "hard": True,
-                                          "meta": _with_mining_meta(doc.meta, {"source": "mined", "score": round(s, 6),
-                                                                               "rank": rank, "via": via[d]})})
-                    log_rows.append({"record_id": r["record_id"], "doc_id": doc.doc_id, "source": "mined",
-                                     "via": via[d], "rank": rank, "score": s, "kept": kept, "reason": reason})
-                n["mined"] += mined
-                n["queries_short"] += mined < p.n_mined
-                for d, s in zip(randoms, rand_scores):
-                    doc = pool.docs[d]
-                    scores["random"].append(s)
-                    negatives.append({"doc_id": doc.doc_id, "text": doc.text, "image": doc.image, "hard": False,
-                                      "meta": _with_mining_meta(doc.meta, {"source": "random", "score": round(s, 6)})})
-                    log_rows.append({"record_id": r["record_id"], "doc_id": doc.doc_id, "source": "random",
-                                     "via": "random", "rank": None, "score": s, "kept": True, "reason": None})
-                n["random"] += len(randoms)
+            for plan in plans:
+                r, _, _, _, pos_sigs, _, rng, chosen, pos_texts = plan
+                negatives, mined = _take_negatives(plan, batch_scores, pool, sigs, p, tally)
                 out_rows.append({**r, "negatives": negatives})
                 if p.fill_with_random and mined < p.n_mined:  # random ones fill in for mined ones that ran short
                     extra = _draw_random(pool, sigs, p, rng, p.n_mined - mined, chosen, pos_texts, pos_sigs)
                     fills += [(len(out_rows) - 1, d) for d in extra]
-            if fills:
-                q_of = lambda i: {"text": (out_rows[i]["query"] or {}).get("text"),  # noqa: E731
-                                  "image": (out_rows[i]["query"] or {}).get("image")}
-                fill_scores = scorer([(q_of(i), {"text": pool.docs[d].text, "image": pool.docs[d].image})
-                                      for i, d in fills])
-                for (i, d), s in zip(fills, fill_scores):
-                    doc = pool.docs[d]
-                    scores["random"].append(s)
-                    out_rows[i]["negatives"].append(
-                        {"doc_id": doc.doc_id, "text": doc.text, "image": doc.image, "hard": False,
-                         "meta": _with_mining_meta(doc.meta, {"source": "random", "score": round(s, 6), "fill": True})})
-                    log_rows.append({"record_id": out_rows[i]["record_id"], "doc_id": doc.doc_id, "source": "random",
-                                     "via": "random (fill)", "rank": None, "score": s, "kept": True, "reason": None})
-                n["random"] += len(fills)
-                n["random_fill"] += len(fills)
+            _add_fills(out_rows, fills, scorer, pool, tally)
             out_batches.append(pa.RecordBatch.from_pylist(out_rows, schema=MODEL_INPUT_SCHEMA))
-            log_batches.append(pa.RecordBatch.from_pylist(log_rows, schema=LOG_SCHEMA))  # Arrow per batch: compact
-            log_rows = []
+            log_batches.append(pa.RecordBatch.from_pylist(tally.log_rows, schema=LOG_SCHEMA))  # Arrow per batch: compact
+            tally.log_rows = []
             bar.update(len(rows))
 
     counts.update(n)

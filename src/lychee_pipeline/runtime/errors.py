@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 
 class ParameterError(ValidationError):
@@ -33,3 +34,45 @@ def validated(cls: type, section: str, values: Any) -> Any:
             if "ctx" in e:
                 e["ctx"] = {k: str(v) for k, v in e["ctx"].items()}
         raise ParameterError.from_exception_data(section, errors) from None
+
+
+# A mistyped key: `typed(cls, "data_processing.split", values)` is `validated` plus, for a key the model does not
+# know, the closest key it does know (``--params data_processing.split.sed=7`` -> ``...; did you mean
+# data_processing.split.seed?``).
+class UnknownParameterError(ValueError):
+    """A parameter key no typed block has, in one line with the closest known key."""
+
+
+def _fields_at(cls: type, path: tuple) -> list[str]:
+    """The field names of the (nested) model at ``path`` inside ``cls``; [] where it is no model."""
+    for name in path:
+        field = cls.model_fields.get(str(name)) if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+        if field is None:
+            return []
+        cls = field.annotation
+    return list(cls.model_fields) if isinstance(cls, type) and issubclass(cls, BaseModel) else []
+
+
+def closest_keys(cls: type, section: str, error: ParameterError) -> list[str]:
+    """`section.key` suggestions for each unknown key of ``error`` (close matches among the known keys)."""
+    hints = []
+    for e in error.errors(include_url=False):
+        if e["type"] != "extra_forbidden":
+            continue
+        *parent, key = map(str, e["loc"])
+        for match in difflib.get_close_matches(key, _fields_at(cls, tuple(parent)), n=1, cutoff=0.6):
+            hints.append(".".join([section, *parent, match]))
+    return hints
+
+
+def typed(cls: type, section: str, values: Any) -> Any:
+    """``values`` as ``cls`` (as they are when already typed), or a one-line error naming the bad key."""
+    if isinstance(values, cls):
+        return values
+    try:
+        return validated(cls, section, dict(values or {}))
+    except ParameterError as error:
+        hints = closest_keys(cls, section, error)
+        if not hints:
+            raise
+        raise UnknownParameterError(f"{error}; did you mean {' or '.join(hints)}?") from None

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 
 from lychee_pipeline.pipelines.data_ingestion.nodes import ingest_records, locate_raw_data
-from lychee_pipeline.pipelines.data_ingestion.records import detect_language, jsonl_files, norm_text
+from lychee_pipeline.data.records import detect_language, jsonl_files, norm_text
 from lychee_pipeline.schema import MODEL_INPUT_SCHEMA
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lychee_pipeline.pipelines.data_ingestion.nodes import image_roots_of
-from lychee_pipeline.pipelines.demo_data.catalogue import ensure_demo_data
+from lychee_pipeline.data.images import parse_image_roots
+from lychee_pipeline.data.catalogue import ensure_demo_data
 
 README = Path(__file__).resolve().parents[3] / "README.md"
 
@@ -80,4 +80,4 @@ def test_two_image_roots_on_the_command_line(tmp_path):
     (["/a", "/b"], ["/a", "/b"]),
 ])
 def test_image_roots_accept_a_list_or_a_pathsep_string(value, expected):
-    assert image_roots_of(value) == expected
+    assert parse_image_roots(value) == expected

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from lychee_pipeline.pipelines.data_ingestion.nodes import ingest_files, locate_raw_data
-from lychee_pipeline.pipelines.data_ingestion.records import discover_files
+from lychee_pipeline.data.records import discover_files
 
 
 def _lines(tag: str, n: int) -> bytes:

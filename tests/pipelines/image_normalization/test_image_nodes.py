@@ -9,8 +9,9 @@ import pytest
 from PIL import Image
 
 from lychee_pipeline.pipelines.data_ingestion.nodes import ingest_records
-from lychee_pipeline.pipelines.image_normalization.images import Resolver, check_image
-from lychee_pipeline.pipelines.image_normalization.nodes import check_images, image_refs, normalize_records
+from lychee_pipeline.data.images import Resolver, check_image
+from lychee_pipeline.data.normalization import image_refs
+from lychee_pipeline.pipelines.image_normalization.nodes import check_images, normalize_records
 from lychee_pipeline.schema import MANIFEST_SCHEMA, MODEL_INPUT_SCHEMA
 
 CHECK = {"workers": 1, "max_pixels": 1_000_000}

@@ -29,7 +29,7 @@ from lychee_pipeline.mining import (
     tokenize,
 )
 from lychee_pipeline.pipelines import data_ingestion, data_split, image_normalization, mine_negatives
-from lychee_pipeline.pipelines.demo_data.catalogue import ensure_demo_data
+from lychee_pipeline.data.catalogue import ensure_demo_data
 from lychee_pipeline.reranker.collate import sample_group
 from lychee_pipeline.reranker.inference import Reranker
 from lychee_pipeline.reranker.tiny import ensure_tiny

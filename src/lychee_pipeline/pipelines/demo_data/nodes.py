@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from lychee_pipeline.pipelines.demo_data.catalogue import ensure_demo_data
+from lychee_pipeline.data.catalogue import ensure_demo_data
 
 logger = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ from typing import Any
 import pyarrow as pa
 
 from lychee_pipeline.mining import LOG_SCHEMA, MiningParams, mine_table, model_key, score_histogram
+from lychee_pipeline.runtime.errors import typed
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,7 @@ def _log_to_mlflow(counts: dict[str, Any]) -> None:
         log.error("mining: MLflow logging failed (counts are in data/08_reporting/): %s: %s", type(exc).__name__, exc)
 
 
-def _mine(records: pa.Table, mining: dict[str, Any], model: dict[str, Any], enabled: bool):
-    params = MiningParams(**mining)
+def _mine(records: pa.Table, params: MiningParams, model: dict[str, Any], enabled: bool):
     if not enabled:
         log.info("mining: off, the %d training records pass through unchanged", records.num_rows)
         counts = {"enabled": False, "queries": records.num_rows}
@@ -54,9 +54,11 @@ def _mine(records: pa.Table, mining: dict[str, Any], model: dict[str, Any], enab
 
 def mine_train_negatives(train_records: pa.Table, mining: dict[str, Any], model: dict[str, Any]):
     """Mine negatives for the train split (``mining.enabled``)."""
-    return _mine(train_records, mining, model, bool(mining.get("enabled", False)))
+    params = typed(MiningParams, "mining", mining)
+    return _mine(train_records, params, model, params.enabled)
 
 
 def mine_smoke_negatives(smoke_train_records: pa.Table, mining: dict[str, Any], model: dict[str, Any]):
     """Mine negatives for the smoke subset of the train split (``mining.smoke_enabled``)."""
-    return _mine(smoke_train_records, mining, model, bool(mining.get("smoke_enabled", False)))
+    params = typed(MiningParams, "mining", mining)
+    return _mine(smoke_train_records, params, model, params.smoke_enabled)

@@ -1,4 +1,4 @@
-"""Registry nodes: thin wrappers over :mod:`lychee_pipeline.registry`."""
+"""Registry nodes: thin wrappers over :mod:`lychee_pipeline.registry` (settings typed by `RegistryParams`)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ from typing import Any
 import pandas as pd
 
 from lychee_pipeline import registry
+from lychee_pipeline.data.params import DataProcessingParams
 from lychee_pipeline.evaluation.params import EvaluationParams, evaluation_params
 from lychee_pipeline.evaluation.scoring import BASE, candidate_table, score_candidates
 from lychee_pipeline.reranker.model import ModelConfig
 from lychee_pipeline.training.config import TrainingParams
-from lychee_pipeline.runtime.errors import validated
+from lychee_pipeline.runtime.errors import typed, validated
+from lychee_pipeline.registry import RegistryParams
 from lychee_pipeline.training.stage import StageResult, as_stage_results
 
 log = logging.getLogger(__name__)
@@ -22,32 +24,14 @@ log = logging.getLogger(__name__)
 PROCESSING_KEYS = ("max_length", "min_pixels", "max_pixels", "resolution_schedule", "loss", "group_size")
 
 
-def serving_config(raw_source: Mapping[str, Any], evaluation: Mapping[str, Any],
-                   serving: Mapping[str, Any] | None) -> dict[str, Any]:
-    """What the logged MLflow model scores with besides its weights (see ``mlflow_model.py``).
-
-    The evaluation's reranker options and instructions (so served scores equal the evaluation's), and
-    the image roots requests are confined to: ``serving.image_roots``, else the run's data image roots.
-    """
-    from lychee_pipeline.pipelines.data_ingestion.nodes import image_roots_of
-
-    roots = image_roots_of((serving or {}).get("image_roots")) or list(raw_source.get("image_roots") or [])
-    evaluation = evaluation_params(evaluation)
-    return {
-        "reranker": dict(evaluation.reranker),
-        "instructions": evaluation.instructions or None,
-        "image_roots": roots,
-    }
-
-
 def processing_settings(training: TrainingParams, evaluation: EvaluationParams,
-                        data_processing: Mapping[str, Any]) -> dict[str, Any]:
+                        data_processing: DataProcessingParams) -> dict[str, Any]:
     """Training's pair processing, the scoring options and the split settings (which test split)."""
     return {
         "training": training.model_dump(include=set(PROCESSING_KEYS)),
         "scoring": dict(evaluation.reranker),
         "instructions": evaluation.instructions,
-        "split": dict(data_processing.get("split") or {}),
+        "split": data_processing.split.model_dump(),
     }
 
 
@@ -66,8 +50,9 @@ def register_final_model(
 ) -> tuple[dict[str, Any], str]:
     """Register the final stage's logged model; champion alias only if it wins the paired test."""
     outcome: dict[str, Any]
-    name = str(params.get("model_name") or "lychee-reranker")
-    if not params.get("enabled", True):
+    settings = typed(RegistryParams, "registry", params)
+    name = settings.model_name
+    if not settings.enabled:
         outcome = {"status": "skipped", "name": name, "reason": "registry.enabled is false"}
     elif not mlflow_logging.get("model_uri"):
         reason = "no logged MLflow model"
@@ -79,7 +64,7 @@ def register_final_model(
             outcome = _register(test_records, test_scores, as_stage_results(stage_results), mlflow_logging,
                                 validated(ModelConfig, "model", dict(model)), data_counts, evaluation_mlflow_metrics,
                                 evaluation_params(evaluation), validated(TrainingParams, "training", dict(training)),
-                                data_processing, params, name)
+                                typed(DataProcessingParams, "data_processing", data_processing), settings)
         except Exception as exc:  # noqa: BLE001 - the run's outputs are saved; the summary says what failed
             log.error("model registry step failed: %s: %s", type(exc).__name__, exc)
             outcome = {"status": "failed", "name": name, "reason": f"{type(exc).__name__}: {exc}"}
@@ -90,7 +75,7 @@ def register_final_model(
 
 def _register(test_records, test_scores, stage_results: list[StageResult], mlflow_logging, model: ModelConfig,
               data_counts, evaluation_mlflow_metrics, evaluation: EvaluationParams, training: TrainingParams,
-              data_processing, params, name) -> dict[str, Any]:
+              data_processing: DataProcessingParams, params: RegistryParams) -> dict[str, Any]:
     import mlflow
 
     final = stage_results[-1].stage
@@ -115,9 +100,9 @@ def _register(test_records, test_scores, stage_results: list[StageResult], mlflo
          "logged_model_uri": mlflow_logging["model_uri"]},
     )
     outcome = registry.register_and_gate(
-        model_uri=mlflow_logging["model_uri"], name=name, new_scores=new_scores, base_scores=base_scores,
-        score_reference=score_reference, tags=tags, gate=params.get("gate"),
-        alias=str(params.get("alias") or "champion"), seed=seed,
+        model_uri=mlflow_logging["model_uri"], name=params.model_name, new_scores=new_scores, base_scores=base_scores,
+        score_reference=score_reference, tags=tags, gate=params.gate.model_dump(),
+        alias=params.alias, seed=seed,
         n_resamples=evaluation.significance.n_resamples, confidence_level=evaluation.significance.confidence_level,
         run_id=run_id,
     )

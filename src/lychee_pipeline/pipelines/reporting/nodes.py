@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from lychee_pipeline.evaluation.params import evaluation_params
 from lychee_pipeline.evaluation.report import stage_run_metrics
 from lychee_pipeline.evaluation.scaling import ScalingReport
+from lychee_pipeline.registry import ServingParams
 from lychee_pipeline.reranker.model import ModelConfig
-from lychee_pipeline.runtime.errors import validated
+from lychee_pipeline.runtime.errors import typed, validated
 from lychee_pipeline.training.stage import as_stage_results
 
 log = logging.getLogger(__name__)
@@ -16,6 +18,22 @@ log = logging.getLogger(__name__)
 
 def _numeric(metrics: dict[str, Any], prefix: str) -> dict[str, float]:
     return {f"{prefix}.{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def serving_config(raw_source: dict[str, Any], evaluation: dict[str, Any],
+                   serving: dict[str, Any] | None) -> dict[str, Any]:
+    """What the logged MLflow model scores with besides its weights (see ``mlflow_model.py``).
+
+    The evaluation's reranker options and instructions (so served scores equal the evaluation's), and
+    the image roots requests are confined to: ``serving.image_roots``, else the run's data image roots.
+    """
+    roots = typed(ServingParams, "serving", serving).image_roots or list(raw_source.get("image_roots") or [])
+    evaluation = evaluation_params(evaluation)
+    return {
+        "reranker": dict(evaluation.reranker),
+        "instructions": evaluation.instructions or None,
+        "image_roots": roots,
+    }
 
 
 def log_run_to_mlflow(

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from kedro.pipeline import Node, Pipeline
 
-from .nodes import log_run_to_mlflow, summarize_run
+from .nodes import log_run_to_mlflow, serving_config, summarize_run
 
 
 def create_pipeline(registry: bool = False, **kwargs) -> Pipeline:
     """Log the run to MLflow and summarise it; with ``registry`` the summary also reads ``registry_outcome``."""
-    from lychee_pipeline.pipelines.registry.nodes import serving_config
-
     summary_inputs = ["data_counts", "stage_results", "evaluation_mlflow_metrics", "mlflow_logging"]
     return Pipeline(
         [

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from lychee_pipeline.pipelines.demo_data.catalogue import (
+from lychee_pipeline.data.catalogue import (
     COLOURS,
     MARKER,
     default_params,
@@ -111,5 +111,5 @@ def test_default_size_is_generated_in_seconds_and_decodes(tmp_path):
 
 
 def test_defaults_match_the_parameters_file():
-    conf = Path(__file__).resolve().parents[3] / "conf" / "base" / "parameters_demo_data.yml"
+    conf = Path(__file__).resolve().parents[2] / "conf" / "base" / "parameters_demo_data.yml"
     assert yaml.safe_load(conf.read_text(encoding="utf-8"))["demo_data"] == default_params()

@@ -7,12 +7,8 @@ import logging
 import pyarrow as pa
 import pytest
 
-from lychee_pipeline.pipelines.data_split.nodes import (
-    collect_data_counts,
-    make_smoke_subset,
-    query_keys,
-    split_records,
-)
+from lychee_pipeline.data.split import query_keys
+from lychee_pipeline.pipelines.data_split.nodes import collect_data_counts, make_smoke_subset, split_records
 from lychee_pipeline.schema import MODEL_INPUT_SCHEMA
 
 SPLIT = {"seed": 7, "ratios": {"train": 0.8, "val": 0.1, "test": 0.1}}

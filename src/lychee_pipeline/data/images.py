@@ -1,4 +1,9 @@
-"""Image path resolution with root confinement, and one-time image verification (Kedro-free)."""
+"""Image path resolution with root confinement, and one-time image verification (Kedro-free).
+
+The one image-path rule of the project: ingestion, normalization, the batch rerank and the served MLflow model
+all parse their roots with :func:`parse_image_roots` and confine a reference with :class:`Resolver`, so a file
+name training accepted is accepted where the model is served, and a path outside the roots is refused by both.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,32 @@ from PIL import Image
 # image loading relies on it); check_image applies the configured, usually lower, max_pixels on top, from the
 # header, before anything is decoded. Only a max_pixels above PIL's limit raises that limit.
 MAX_ASPECT_RATIO = 200  # the Qwen2.5-VL processor refuses longer/shorter sides beyond 200:1
+
+#: Why a reference is refused (the first words of a resolver reason, counted in the logs by these words).
+ESCAPES_ROOTS = "path escapes the image roots"
+NOT_FOUND = "image not found"
+
+
+def parse_image_roots(value: Any) -> list[str]:
+    """Image roots as a list: a YAML list, or one string of roots separated by os.pathsep (':').
+
+    The string form is what works on the command line, where Kedro splits --params on commas
+    (``--params "data.image_roots=/data/shop:/mnt/img"``), and in the ``LYCHEE_IMAGE_ROOTS`` variable.
+    Blank entries are dropped; nothing is resolved here (:class:`Resolver` resolves them where they are used).
+    """
+    if value is None:
+        return []
+    if isinstance(value, (str, os.PathLike)):
+        value = str(value).split(os.pathsep)
+    return [str(v).strip() for v in value if v is not None and str(v).strip()]
+
+
+class ImagePathError(ValueError):
+    """An image reference the roots refuse; ``kind`` is :data:`ESCAPES_ROOTS` or :data:`NOT_FOUND`."""
+
+    def __init__(self, kind: str, ref: str) -> None:
+        super().__init__(f"{kind}: {ref}")
+        self.kind, self.ref = kind, ref
 
 
 class Resolver:
@@ -57,7 +88,12 @@ class Resolver:
         return current
 
     def resolve(self, ref: str) -> tuple[str | None, str | None]:
-        """(absolute resolved path, None) or (None, reason). Symlinks are resolved before the check."""
+        """(absolute resolved path, None) or (None, reason). Symlinks are resolved before the check.
+
+        Relative references are looked up under each root in order (the first file found wins); a name
+        that differs from the file on disk only in Unicode normalization is found too. What is found must
+        be a file inside a root; the answer is cached for the resolver's life.
+        """
         hit = self._cache.get(ref)
         if hit is not None:
             return hit
@@ -65,16 +101,23 @@ class Resolver:
         candidates = [given.resolve()] if given.is_absolute() else [(root / given).resolve() for root in self.roots]
         inside = [c for c in candidates if self._inside(c)]
         if not inside:
-            result: tuple[str | None, str | None] = (None, f"path escapes the image roots: {ref}")
+            result: tuple[str | None, str | None] = (None, f"{ESCAPES_ROOTS}: {ref}")
         else:
-            found = next((c for c in inside if c.exists()), None)
+            found = next((c for c in inside if c.is_file()), None)
             if found is None:  # a name in the other Unicode normalization form (NFC in the JSONL, NFD on disk)
                 others = (self.other_normalization(c) for c in inside)
                 found = next((o.resolve() for o in others if o is not None and self._inside(o.resolve())
-                              and o.exists()), None)
-            result = (str(found), None) if found else (None, f"image not found: {ref}")
+                              and o.is_file()), None)
+            result = (str(found), None) if found else (None, f"{NOT_FOUND}: {ref}")
         self._cache[ref] = result
         return result
+
+    def confine(self, ref: str) -> str:
+        """The resolved absolute path of ``ref``, or :class:`ImagePathError` saying why it is refused."""
+        path, reason = self.resolve(ref)
+        if path is None:
+            raise ImagePathError(ESCAPES_ROOTS if reason.startswith(ESCAPES_ROOTS) else NOT_FOUND, ref)
+        return path
 
 
 def stat_key(path: str) -> tuple[int, int] | None:
