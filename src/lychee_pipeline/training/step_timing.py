@@ -19,6 +19,7 @@ allocations (``cudaMalloc``), the two host-side costs a long loop has and a shor
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import statistics
@@ -99,6 +100,13 @@ class StepTiming:
 
     def add_heartbeat(self, seconds: float) -> None:
         self.heartbeat_s += seconds
+
+    @contextlib.contextmanager
+    def heartbeat(self) -> Iterator[None]:
+        """Times the loop's heartbeat write (part of the step's tail) into ``heartbeat_ms_total``."""
+        began = time.perf_counter()
+        yield
+        self.add_heartbeat(time.perf_counter() - began)
 
     def mark_allocator(self, step: int) -> None:
         """Snapshot of the CUDA caching allocator's counters (host-side, no sync) after ``step``."""
