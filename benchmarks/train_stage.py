@@ -15,8 +15,9 @@ What runs, per text length (~850 and ~1400 tokens per pair, 1 query + 1 document
    ``model.activation_checkpointing: auto`` within ``--memory-budget-gib``. pairs/s from its result.json
    (steps after the first), peak memory as the stage reports it.
 4. Isolated step: the same model folder loaded in this process with the same checkpointed layers the stage
-   chose, the same collator on the same records, batches already on the device: forward, loss, backward,
-   clipping, fused AdamW, zero_grad; after warm-up, as many steps as the stage's compared window, with no host
+   chose, the same collator on the same records, batches already on the device, and the stage's own step
+   (``training/step.py``: forward, loss, backward, clipping, fused AdamW with the non-finite skip on the
+   device, zero_grad); after warm-up, as many steps as the stage's compared window, with no host
    synchronisation between them (as in the stage).
 5. The same window: the stage's rate over its steps ``--window-from``..end (default 11..end: start-up left
    out) from the per-step timings in its result (``timing.per_step``; on CUDA on the device's clock), against
@@ -213,8 +214,10 @@ def isolated_step(args, data: Path, folder: Path, device: torch.device, layers: 
     :class:`~lychee_pipeline.training.step_timing.StepTiming`."""
     import datasets
 
-    from lychee_pipeline.reranker import GroupCollator, ModelConfig, listwise_loss, load_reranker
+    from lychee_pipeline.reranker import GroupCollator, ModelConfig, load_reranker
     from lychee_pipeline.reranker.families.qwen2_5_vl import apply_selective_checkpointing
+    from lychee_pipeline.reranker.losses import LossOptions, get_loss
+    from lychee_pipeline.training.step import MicroBatch, OneProcess, TrainStep
     from lychee_pipeline.training.step_timing import StepTiming
 
     records = datasets.Dataset.from_parquet(str(data))
@@ -231,23 +234,21 @@ def isolated_step(args, data: Path, folder: Path, device: torch.device, layers: 
         t1 = time.perf_counter()
         batch = collator([records[i]])
         collate_times.append(time.perf_counter() - t1)
-        groups.append(common.to_device(batch, device))
-    tokens = statistics.mean(int(g["attention_mask"].sum()) for g in groups) / args.group_size
+        groups.append(MicroBatch.unweighted(common.to_device(batch, device)))  # its token count read here
+    tokens = statistics.mean(g.tokens for g in groups) / args.group_size
     trainable = [p for p in reranker.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0, fused=True)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     reranker.train()
 
-    def step(group: dict) -> None:
-        batch = dict(group)
-        batch.pop("labels")
-        group_size = batch.pop("group_size")
+    def forward(**inputs) -> torch.Tensor:  # the forward in bf16, as the stage's prepared model runs it
         with autocast:
-            loss = listwise_loss(reranker(**batch), group_size, 0.05)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            return reranker(**inputs)
+
+    # The stage's step (training/step.py) on one process: its loss, clipping, fused AdamW with the non-finite
+    # skip decided on the device, zero_grad.
+    step = TrainStep(OneProcess(device), forward, optimizer, None, trainable, get_loss("listwise"),
+                     LossOptions(args.group_size, 0.05), max_grad_norm=1.0, skip_on_device=True)
 
     common.reset_peak(device)
     for i in range(args.step_warmup):
@@ -270,7 +271,7 @@ def isolated_step(args, data: Path, folder: Path, device: torch.device, layers: 
            "collate_ms_per_group": 1e3 * statistics.median(collate_times),
            # the same attribution as the stage's; step 1 carries no gap (nothing before it was timed)
            "timing": timing.summary(2, pairs_per_step=args.group_size) | {"per_step": rows}}
-    del reranker, optimizer, groups, trainable
+    del reranker, optimizer, groups, trainable, step
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -24,11 +24,13 @@ Variants (one process, one model; ``--variants`` picks):
   After each variant its eval-mode yes-no scores on unseen groups are compared with the plain padded
   project step's at the same weights: max |diff|, rankings, flipped document pairs.
 
-Each step: forward, loss, backward, gradient clipping, AdamW step, zero_grad. Warm-up, then the median
+Each step is the stage's (``training/step.py``): forward, loss, backward, gradient clipping, fused AdamW step
+(a non-finite step skipped on the device), zero_grad. Warm-up, then the median
 of ``--steps`` steps with CUDA synchronisation. Prints pairs/s, tokens/s, peak GiB, MFU (4 x LM params
 x tokens + 2 x vision params x patches over the bf16 matmul rate measured in this run) and the ratio
 of the project's step to (a). Checks the project step's loss (and LoRA gradients) against the naive
-path on the same inputs. Imports only torch, transformers, peft and lychee_pipeline.reranker.
+path on the same inputs. Imports only torch, transformers, peft, lychee_pipeline.reranker and
+lychee_pipeline.training's step and memory model (no kedro, no mlflow).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ import common  # noqa: E402
 from lychee_pipeline.reranker import kernels as fused_kernels  # noqa: E402
 from lychee_pipeline.reranker import packing  # noqa: E402
 from lychee_pipeline.reranker.families import qwen2_5_vl  # noqa: E402
-from lychee_pipeline.reranker.losses import listwise_loss  # noqa: E402
+from lychee_pipeline.reranker.losses import LossOptions, get_loss, listwise_loss  # noqa: E402
 from lychee_pipeline.reranker.model import (  # noqa: E402
     LycheeReranker,
     ModelConfig,
@@ -60,6 +62,7 @@ from lychee_pipeline.reranker.model import (  # noqa: E402
     enable_activation_checkpointing,
 )
 from lychee_pipeline.training import memory  # noqa: E402
+from lychee_pipeline.training.step import MicroBatch, OneProcess, TrainStep  # noqa: E402
 
 NON_MODEL_KEYS = ("labels", "group_size")
 
@@ -245,17 +248,24 @@ def compare_scores(ref: list[torch.Tensor], got: list[torch.Tensor]) -> dict:
 
 
 def make_step(reranker: LycheeReranker, spec: dict, groups: list, optimizer, trainable):
+    """``step(i)`` on group ``i``: the stage's step (training/step.py) on one process; the naive variants swap in
+    their full-logits forward and written-out loss, the rest of the step (clipping, fused AdamW with the
+    non-finite skip on the device, zero_grad) is the stage's."""
+    if spec["forward"] == "naive":
+        def forward(**inputs):
+            return naive_logits(reranker, inputs)
+
+        def compute_loss(logits, labels, group_weight, options):
+            return naive_listwise(logits, options.group_size)
+    else:
+        forward, compute_loss = reranker, get_loss("listwise")
+    batches = [MicroBatch.unweighted(batch) for batch in groups]
+    train_step = TrainStep(OneProcess(reranker.device), forward, optimizer, None, trainable, compute_loss,
+                           LossOptions(groups[0]["group_size"], temperature=1.0), max_grad_norm=1.0,
+                           skip_on_device=True)
+
     def step(i: int):
-        batch = groups[i % len(groups)]
-        if spec["forward"] == "naive":
-            loss = naive_listwise(naive_logits(reranker, batch), batch["group_size"])
-        else:
-            loss = listwise_loss(project_logits(reranker, batch), batch["group_size"], temperature=1.0)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
+        return train_step(batches[i % len(batches)])
 
     return step
 
@@ -429,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     num_layers = len(qwen2_5_vl.decoder_layers(reranker))
     log(f"model built in {time.perf_counter() - t0:.1f} s: LM {n_lm / 1e9:.3f}B, vision {n_vis / 1e9:.3f}B, "
         f"total {n_total / 1e9:.3f}B, LoRA trainable {n_train / 1e6:.2f}M, {num_layers} decoder layers")
-    optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0, fused=True)  # as the DDP stage's
 
     shape = common.Shape.tiny() if args.tiny else common.Shape()
     groups_cpu = [common.synthetic_group(shape, seed=args.seed + i) for i in range(args.groups)]
