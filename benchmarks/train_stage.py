@@ -324,7 +324,7 @@ def describe_timing(t: dict) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny architecture on a CPU (the same code path)")
     parser.add_argument("--lengths", default=None, help="tokens per pair, comma-separated (default 850,1400; "
@@ -356,6 +356,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=None, help="model folder, data, stages (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
     common.add_run_args(parser, seed=11)
+    return parser
+
+
+def print_summary(results: dict, args, env: dict, device: torch.device) -> bool:
+    """The table of the lengths, stage against isolated step; whether every length met the targets."""
+    log("")
+    log(f"train_stage summary ({env.get('gpu')}, torch {env['torch']}, transformers {env['transformers']}, "
+        f"{'tiny' if args.tiny else '7B'} architecture, random weights, LoRA r16, groups of {args.group_size}, "
+        f"{args.image_side}x{args.image_side} JPEG per document, max_pixels {args.max_pixels})")
+    log(f"stage p/s: steps {args.window_from}-{args.stage_steps} of the stage; step p/s: {args.step_steps} isolated "
+        f"steps; data / gap: the stage's mean data-loader wait (host) and device idle between steps, ms")
+    log(f"{'length':>8} {'tok/pair':>8} {'stage p/s':>10} {'step p/s':>9} {'ratio':>6} {'data':>6} {'gap':>6} "
+        f"{'stage GiB':>10} {'step GiB':>9} {'ckpt':>5}  verdict")
+    ok_all = True
+    for label, r in results["lengths"].items():
+        stage_peak = max(r["stage"]["peak_mem_gib"])
+        ok = r["ratio_stage_over_step"] >= 0.95 and (stage_peak <= args.memory_budget_gib or device.type != "cuda")
+        ok_all &= ok
+        w = r["stage_window"]
+        log(f"{label:>8} {r['step']['tokens_per_pair']:8.0f} {w['pairs_per_s']:10.2f} "
+            f"{r['step']['pairs_per_s']:9.2f} {r['ratio_stage_over_step']:6.2f} {fmt(w.get('data_wait_ms'))} "
+            f"{fmt(w.get('gpu_gap_ms'))} {stage_peak:10.1f} "
+            f"{r['step']['peak_gib']:9.1f} {r['step']['checkpoint_layers']:>5}  "
+            f"{'target met' if ok else 'TARGET MISSED'} (stage >= 0.95 x step, peak <= {args.memory_budget_gib:.0f} GiB)")
+    if device.type != "cuda":
+        log("(CPU: peak is the process's max RSS in GiB; the targets are for one H200)")
+    return ok_all
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argument_parser()
     args = parser.parse_args(argv)
     device, dtype = common.pick_device(parser, args)
     tiny = args.tiny
@@ -427,28 +458,7 @@ def main(argv: list[str] | None = None) -> int:
             "ratio_all_stage_steps_over_step": stage["pairs_per_s"] / step["pairs_per_s"],
         }
 
-    log("")
-    log(f"train_stage summary ({env.get('gpu')}, torch {env['torch']}, transformers {env['transformers']}, "
-        f"{'tiny' if tiny else '7B'} architecture, random weights, LoRA r16, groups of {args.group_size}, "
-        f"{args.image_side}x{args.image_side} JPEG per document, max_pixels {args.max_pixels})")
-    log(f"stage p/s: steps {args.window_from}-{args.stage_steps} of the stage; step p/s: {args.step_steps} isolated "
-        f"steps; data / gap: the stage's mean data-loader wait (host) and device idle between steps, ms")
-    log(f"{'length':>8} {'tok/pair':>8} {'stage p/s':>10} {'step p/s':>9} {'ratio':>6} {'data':>6} {'gap':>6} "
-        f"{'stage GiB':>10} {'step GiB':>9} {'ckpt':>5}  verdict")
-    ok_all = True
-    for label, r in results["lengths"].items():
-        stage_peak = max(r["stage"]["peak_mem_gib"])
-        ok = r["ratio_stage_over_step"] >= 0.95 and (stage_peak <= args.memory_budget_gib or device.type != "cuda")
-        ok_all &= ok
-        w = r["stage_window"]
-        log(f"{label:>8} {r['step']['tokens_per_pair']:8.0f} {w['pairs_per_s']:10.2f} "
-            f"{r['step']['pairs_per_s']:9.2f} {r['ratio_stage_over_step']:6.2f} {fmt(w.get('data_wait_ms'))} "
-            f"{fmt(w.get('gpu_gap_ms'))} {stage_peak:10.1f} "
-            f"{r['step']['peak_gib']:9.1f} {r['step']['checkpoint_layers']:>5}  "
-            f"{'target met' if ok else 'TARGET MISSED'} (stage >= 0.95 x step, peak <= {args.memory_budget_gib:.0f} GiB)")
-    if device.type != "cuda":
-        log("(CPU: peak is the process's max RSS in GiB; the targets are for one H200)")
-    results["targets_met"] = ok_all
+    results["targets_met"] = print_summary(results, args, env, device)
     if args.out is not None:
         (args.out / ("train_stage_tiny.json" if tiny else "train_stage.json")).write_text(
             json.dumps(results, indent=1, default=str) + "\n")
