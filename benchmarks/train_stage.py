@@ -15,8 +15,9 @@ What runs, per text length (~850 and ~1400 tokens per pair, 1 query + 1 document
    ``model.activation_checkpointing: auto`` within ``--memory-budget-gib``. pairs/s from its result.json
    (steps after the first), peak memory as the stage reports it.
 4. Isolated step: the same model folder loaded in this process with the same checkpointed layers the stage
-   chose, the same collator on the same records, batches already on the device: forward, loss, backward,
-   clipping, fused AdamW, zero_grad; after warm-up, as many steps as the stage's compared window, with no host
+   chose, the same collator on the same records, batches already on the device, and the stage's own step
+   (``training/step.py``: forward, loss, backward, clipping, fused AdamW with the non-finite skip on the
+   device, zero_grad); after warm-up, as many steps as the stage's compared window, with no host
    synchronisation between them (as in the stage).
 5. The same window: the stage's rate over its steps ``--window-from``..end (default 11..end: start-up left
    out) from the per-step timings in its result (``timing.per_step``; on CUDA on the device's clock), against
@@ -214,8 +215,10 @@ def isolated_step(args, data: Path, folder: Path, device: torch.device, layers: 
     :class:`~lychee_pipeline.training.step_timing.StepTiming`."""
     import datasets
 
-    from lychee_pipeline.reranker import GroupCollator, ModelConfig, listwise_loss, load_reranker
+    from lychee_pipeline.reranker import GroupCollator, ModelConfig, load_reranker
     from lychee_pipeline.reranker.families.qwen2_5_vl import apply_selective_checkpointing
+    from lychee_pipeline.reranker.losses import LossOptions, get_loss
+    from lychee_pipeline.training.step import MicroBatch, OneProcess, TrainStep
     from lychee_pipeline.training.step_timing import StepTiming
 
     records = datasets.Dataset.from_parquet(str(data))
@@ -232,23 +235,21 @@ def isolated_step(args, data: Path, folder: Path, device: torch.device, layers: 
         t1 = time.perf_counter()
         batch = collator([records[i]])
         collate_times.append(time.perf_counter() - t1)
-        groups.append(common.to_device(batch, device))
-    tokens = statistics.mean(int(g["attention_mask"].sum()) for g in groups) / args.group_size
+        groups.append(MicroBatch.unweighted(common.to_device(batch, device)))  # its token count read here
+    tokens = statistics.mean(g.tokens for g in groups) / args.group_size
     trainable = [p for p in reranker.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0, fused=True)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     reranker.train()
 
-    def step(group: dict) -> None:
-        batch = dict(group)
-        batch.pop("labels")
-        group_size = batch.pop("group_size")
+    def forward(**inputs) -> torch.Tensor:  # the forward in bf16, as the stage's prepared model runs it
         with autocast:
-            loss = listwise_loss(reranker(**batch), group_size, 0.05)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            return reranker(**inputs)
+
+    # The stage's step (training/step.py) on one process: its loss, clipping, fused AdamW with the non-finite
+    # skip decided on the device, zero_grad.
+    step = TrainStep(OneProcess(device), forward, optimizer, None, trainable, get_loss("listwise"),
+                     LossOptions(args.group_size, 0.05), max_grad_norm=1.0, skip_on_device=True)
 
     common.reset_peak(device)
     for i in range(args.step_warmup):
@@ -271,7 +272,7 @@ def isolated_step(args, data: Path, folder: Path, device: torch.device, layers: 
            "collate_ms_per_group": 1e3 * statistics.median(collate_times),
            # the same attribution as the stage's; step 1 carries no gap (nothing before it was timed)
            "timing": timing.summary(2, pairs_per_step=args.group_size) | {"per_step": rows}}
-    del reranker, optimizer, groups, trainable
+    del reranker, optimizer, groups, trainable, step
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -324,7 +325,7 @@ def describe_timing(t: dict) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny architecture on a CPU (the same code path)")
     parser.add_argument("--lengths", default=None, help="tokens per pair, comma-separated (default 850,1400; "
@@ -356,6 +357,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=None, help="model folder, data, stages (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
     common.add_run_args(parser, seed=11)
+    return parser
+
+
+def print_summary(results: dict, args, env: dict, device: torch.device) -> bool:
+    """The table of the lengths, stage against isolated step; whether every length met the targets."""
+    log("")
+    log(f"train_stage summary ({env.get('gpu')}, torch {env['torch']}, transformers {env['transformers']}, "
+        f"{'tiny' if args.tiny else '7B'} architecture, random weights, LoRA r16, groups of {args.group_size}, "
+        f"{args.image_side}x{args.image_side} JPEG per document, max_pixels {args.max_pixels})")
+    log(f"stage p/s: steps {args.window_from}-{args.stage_steps} of the stage; step p/s: {args.step_steps} isolated "
+        f"steps; data / gap: the stage's mean data-loader wait (host) and device idle between steps, ms")
+    log(f"{'length':>8} {'tok/pair':>8} {'stage p/s':>10} {'step p/s':>9} {'ratio':>6} {'data':>6} {'gap':>6} "
+        f"{'stage GiB':>10} {'step GiB':>9} {'ckpt':>5}  verdict")
+    ok_all = True
+    for label, r in results["lengths"].items():
+        stage_peak = max(r["stage"]["peak_mem_gib"])
+        ok = r["ratio_stage_over_step"] >= 0.95 and (stage_peak <= args.memory_budget_gib or device.type != "cuda")
+        ok_all &= ok
+        w = r["stage_window"]
+        log(f"{label:>8} {r['step']['tokens_per_pair']:8.0f} {w['pairs_per_s']:10.2f} "
+            f"{r['step']['pairs_per_s']:9.2f} {r['ratio_stage_over_step']:6.2f} {fmt(w.get('data_wait_ms'))} "
+            f"{fmt(w.get('gpu_gap_ms'))} {stage_peak:10.1f} "
+            f"{r['step']['peak_gib']:9.1f} {r['step']['checkpoint_layers']:>5}  "
+            f"{'target met' if ok else 'TARGET MISSED'} (stage >= 0.95 x step, peak <= {args.memory_budget_gib:.0f} GiB)")
+    if device.type != "cuda":
+        log("(CPU: peak is the process's max RSS in GiB; the targets are for one H200)")
+    return ok_all
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argument_parser()
     args = parser.parse_args(argv)
     device, dtype = common.pick_device(parser, args)
     tiny = args.tiny
@@ -427,28 +459,7 @@ def main(argv: list[str] | None = None) -> int:
             "ratio_all_stage_steps_over_step": stage["pairs_per_s"] / step["pairs_per_s"],
         }
 
-    log("")
-    log(f"train_stage summary ({env.get('gpu')}, torch {env['torch']}, transformers {env['transformers']}, "
-        f"{'tiny' if tiny else '7B'} architecture, random weights, LoRA r16, groups of {args.group_size}, "
-        f"{args.image_side}x{args.image_side} JPEG per document, max_pixels {args.max_pixels})")
-    log(f"stage p/s: steps {args.window_from}-{args.stage_steps} of the stage; step p/s: {args.step_steps} isolated "
-        f"steps; data / gap: the stage's mean data-loader wait (host) and device idle between steps, ms")
-    log(f"{'length':>8} {'tok/pair':>8} {'stage p/s':>10} {'step p/s':>9} {'ratio':>6} {'data':>6} {'gap':>6} "
-        f"{'stage GiB':>10} {'step GiB':>9} {'ckpt':>5}  verdict")
-    ok_all = True
-    for label, r in results["lengths"].items():
-        stage_peak = max(r["stage"]["peak_mem_gib"])
-        ok = r["ratio_stage_over_step"] >= 0.95 and (stage_peak <= args.memory_budget_gib or device.type != "cuda")
-        ok_all &= ok
-        w = r["stage_window"]
-        log(f"{label:>8} {r['step']['tokens_per_pair']:8.0f} {w['pairs_per_s']:10.2f} "
-            f"{r['step']['pairs_per_s']:9.2f} {r['ratio_stage_over_step']:6.2f} {fmt(w.get('data_wait_ms'))} "
-            f"{fmt(w.get('gpu_gap_ms'))} {stage_peak:10.1f} "
-            f"{r['step']['peak_gib']:9.1f} {r['step']['checkpoint_layers']:>5}  "
-            f"{'target met' if ok else 'TARGET MISSED'} (stage >= 0.95 x step, peak <= {args.memory_budget_gib:.0f} GiB)")
-    if device.type != "cuda":
-        log("(CPU: peak is the process's max RSS in GiB; the targets are for one H200)")
-    results["targets_met"] = ok_all
+    results["targets_met"] = print_summary(results, args, env, device)
     if args.out is not None:
         (args.out / ("train_stage_tiny.json" if tiny else "train_stage.json")).write_text(
             json.dumps(results, indent=1, default=str) + "\n")

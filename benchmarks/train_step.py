@@ -24,11 +24,13 @@ Variants (one process, one model; ``--variants`` picks):
   After each variant its eval-mode yes-no scores on unseen groups are compared with the plain padded
   project step's at the same weights: max |diff|, rankings, flipped document pairs.
 
-Each step: forward, loss, backward, gradient clipping, AdamW step, zero_grad. Warm-up, then the median
+Each step is the stage's (``training/step.py``): forward, loss, backward, gradient clipping, fused AdamW step
+(a non-finite step skipped on the device), zero_grad. Warm-up, then the median
 of ``--steps`` steps with CUDA synchronisation. Prints pairs/s, tokens/s, peak GiB, MFU (4 x LM params
 x tokens + 2 x vision params x patches over the bf16 matmul rate measured in this run) and the ratio
 of the project's step to (a). Checks the project step's loss (and LoRA gradients) against the naive
-path on the same inputs. Imports only torch, transformers, peft and lychee_pipeline.reranker.
+path on the same inputs. Imports only torch, transformers, peft, lychee_pipeline.reranker and
+lychee_pipeline.training's step and memory model (no kedro, no mlflow).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ import common  # noqa: E402
 from lychee_pipeline.reranker import kernels as fused_kernels  # noqa: E402
 from lychee_pipeline.reranker import packing  # noqa: E402
 from lychee_pipeline.reranker.families import qwen2_5_vl  # noqa: E402
-from lychee_pipeline.reranker.losses import listwise_loss  # noqa: E402
+from lychee_pipeline.reranker.losses import LossOptions, get_loss, listwise_loss  # noqa: E402
 from lychee_pipeline.reranker.model import (  # noqa: E402
     LycheeReranker,
     ModelConfig,
@@ -60,6 +62,7 @@ from lychee_pipeline.reranker.model import (  # noqa: E402
     enable_activation_checkpointing,
 )
 from lychee_pipeline.training import memory  # noqa: E402
+from lychee_pipeline.training.step import MicroBatch, OneProcess, TrainStep  # noqa: E402
 
 NON_MODEL_KEYS = ("labels", "group_size")
 
@@ -245,17 +248,24 @@ def compare_scores(ref: list[torch.Tensor], got: list[torch.Tensor]) -> dict:
 
 
 def make_step(reranker: LycheeReranker, spec: dict, groups: list, optimizer, trainable):
+    """``step(i)`` on group ``i``: the stage's step (training/step.py) on one process; the naive variants swap in
+    their full-logits forward and written-out loss, the rest of the step (clipping, fused AdamW with the
+    non-finite skip on the device, zero_grad) is the stage's."""
+    if spec["forward"] == "naive":
+        def forward(**inputs):
+            return naive_logits(reranker, inputs)
+
+        def compute_loss(logits, labels, group_weight, options):
+            return naive_listwise(logits, options.group_size)
+    else:
+        forward, compute_loss = reranker, get_loss("listwise")
+    batches = [MicroBatch.unweighted(batch) for batch in groups]
+    train_step = TrainStep(OneProcess(reranker.device), forward, optimizer, None, trainable, compute_loss,
+                           LossOptions(groups[0]["group_size"], temperature=1.0), max_grad_norm=1.0,
+                           skip_on_device=True)
+
     def step(i: int):
-        batch = groups[i % len(groups)]
-        if spec["forward"] == "naive":
-            loss = naive_listwise(naive_logits(reranker, batch), batch["group_size"])
-        else:
-            loss = listwise_loss(project_logits(reranker, batch), batch["group_size"], temperature=1.0)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
+        return train_step(batches[i % len(batches)])
 
     return step
 
@@ -380,7 +390,7 @@ def profile_variant(reranker, spec, groups, optimizer, trainable, device, out_di
 # ----------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny architecture, CPU-sized inputs")
     parser.add_argument("--variants", default="a,b,c28,c16,c12",
@@ -402,20 +412,97 @@ def main(argv: list[str] | None = None) -> int:
                              "a comma-separated subset of flash,efficient,cudnn,math that SDPA may use (all four: "
                              "PyTorch's default)")
     common.add_run_args(parser, seed=1234)
-    args = parser.parse_args(argv)
-    device, dtype = common.pick_device(parser, args)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    if args.sdpa_backends == "project":
+    return parser
+
+
+def set_sdpa_backends(choice: str, device: torch.device) -> None:
+    """``project``: what load_reranker sets; else the comma-separated backends SDPA may use."""
+    if choice == "project":
         fused_kernels.avoid_cudnn_attention(device)
     else:
-        allowed = set(args.sdpa_backends.split(","))
+        allowed = set(choice.split(","))
         torch.backends.cuda.enable_flash_sdp("flash" in allowed)
         torch.backends.cuda.enable_mem_efficient_sdp("efficient" in allowed)
         torch.backends.cuda.enable_cudnn_sdp("cudnn" in allowed)
         torch.backends.cuda.enable_math_sdp("math" in allowed)
         log(f"SDPA backends allowed: {sorted(allowed)}")
+
+
+def time_variants(args, reranker, specs: list[dict], groups: list, check_groups: list, optimizer, trainable,
+                  device: torch.device, results: dict, *, plain: dict, pairs_per_group: int, tokens_per_group: float,
+                  flops_per_group: float, tflops: float, profiles: set[str]) -> None:
+    """Each variant configured, timed (median step), and its eval scores compared with those of ``plain`` (the
+    padded project step, no lever); ``results[name]`` gets its figures."""
+    for spec in specs:
+        try:
+            configure(reranker, spec)
+        except RuntimeError as exc:  # e.g. +liger without liger-kernel or CUDA: say so, run the other variants
+            log(f"{spec['name']}: skipped: {exc}")
+            continue
+        common.reset_peak(device)
+        step = make_step(reranker, spec, groups, optimizer, trainable)
+        try:
+            times = common.time_steps(step, device, args.warmup, args.steps)
+        except torch.OutOfMemoryError as exc:  # pragma: no cover - GPU only
+            log(f"{spec['name']}: out of memory ({exc})")
+            optimizer.zero_grad(set_to_none=True)
+            common.reset_peak(device)
+            continue
+        med = statistics.median(times)
+        pairs = pairs_per_group / med
+        tokens = tokens_per_group / med
+        useful = flops_per_group / med
+        r = {
+            "label": spec["label"], "median_s": med, "min_s": min(times), "max_s": max(times),
+            "pairs_per_s": pairs, "tokens_per_s": tokens, "peak_gib": common.peak_gib(device),
+            "mfu": common.mfu(useful, tflops), "steps": len(times),
+        }
+        results[spec["name"]] = r
+        log(f"{spec['name']:>6}: {pairs:6.2f} pairs/s {tokens:8.0f} tok/s peak {r['peak_gib']:6.1f} GiB "
+            f"MFU {100 * r['mfu']:5.1f}%  step {med * 1e3:.0f} ms [{min(times) * 1e3:.0f}-{max(times) * 1e3:.0f}]  {spec['label']}")
+        optimizer.zero_grad(set_to_none=True)
+        if not args.no_score_check and spec["forward"] == "project":
+            got = eval_scores(reranker, check_groups)  # the same weights for both: the steps above trained them
+            configure(reranker, plain)
+            cmp = compare_scores(eval_scores(reranker, check_groups), got)
+            configure(reranker, spec)
+            r["score_check"] = cmp
+            log(f"{spec['name']:>6}: scores vs the plain padded step ({len(check_groups)} unseen groups, eval): max |diff| "
+                f"{cmp['max_abs_score_diff']:.2e}, same ranking {cmp['same_ranking']}/{cmp['groups']} groups, "
+                f"{cmp['discordant_pairs']}/{cmp['doc_pairs']} document pairs flipped "
+                f"(largest reference gap among them {cmp['largest_ref_gap_flipped']:.2e})")
+        if spec["name"] in profiles:  # right after its timing, in the same configuration
+            log(profile_variant(reranker, spec, groups, optimizer, trainable, device, args.out))
+
+
+def print_summary(results: dict, env: dict, tflops: float, project_name: str | None, max_peak_gib: float,
+                  device: torch.device) -> None:
+    """The table of the variants, and (c) against (a); ``results["ratio_c_over_a"]`` when both ran."""
+    log("")
+    log(f"summary ({env.get('gpu')}, torch {env['torch']}, transformers {env['transformers']}, matmul {tflops:.0f} TFLOP/s)")
+    base = results.get(project_name, {}).get("pairs_per_s") if project_name else None
+    log(f"{'variant':>18} {'pairs/s':>8} {'tok/s':>8} {'peak GiB':>9} {'MFU':>6} {'vs (c)':>7}  what")
+    for name, r in results.items():
+        if isinstance(r, dict) and "pairs_per_s" in r:
+            vs = f"{r['pairs_per_s'] / base:6.2f}x" if base else f"{'':>7}"
+            log(f"{name:>18} {r['pairs_per_s']:8.2f} {r['tokens_per_s']:8.0f} {r['peak_gib']:9.1f} {100 * r['mfu']:5.1f}% {vs}  "
+                f"{r['label']}")
+    if project_name in results and "a" in results:
+        ratio = results[project_name]["pairs_per_s"] / results["a"]["pairs_per_s"]
+        results["ratio_c_over_a"] = ratio
+        ok_mem = results[project_name]["peak_gib"] <= max_peak_gib or device.type != "cuda"
+        log(f"(c) = {project_name}: {ratio:.2f}x (a) in pairs/s; peak {results[project_name]['peak_gib']:.1f} GiB "
+            f"({'within' if ok_mem else 'OVER'} {max_peak_gib:.0f} GiB)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argument_parser()
+    args = parser.parse_args(argv)
+    device, dtype = common.pick_device(parser, args)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    set_sdpa_backends(args.sdpa_backends, device)
     env = common.environment(device)
     log(f"env {json.dumps(env)}")
     tflops = common.matmul_tflops(device)
@@ -429,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     num_layers = len(qwen2_5_vl.decoder_layers(reranker))
     log(f"model built in {time.perf_counter() - t0:.1f} s: LM {n_lm / 1e9:.3f}B, vision {n_vis / 1e9:.3f}B, "
         f"total {n_total / 1e9:.3f}B, LoRA trainable {n_train / 1e6:.2f}M, {num_layers} decoder layers")
-    optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0, fused=True)  # as the DDP stage's
 
     shape = common.Shape.tiny() if args.tiny else common.Shape()
     groups_cpu = [common.synthetic_group(shape, seed=args.seed + i) for i in range(args.groups)]
@@ -458,47 +545,11 @@ def main(argv: list[str] | None = None) -> int:
         log(f"vision tower, {shape.group_size} images: stock {vm['stock_ms']:.1f} ms, batched windows {vm['batched_ms']:.1f} ms "
             f"(x{vm['stock_ms'] / vm['batched_ms']:.2f}); rel diff {vm['rel_diff']:.2e}, max abs {vm['max_abs_diff']:.2e}")
 
-    plain = parse_variant("c0", num_layers)  # the reference of the score check: the padded project step, no lever
-    for spec in specs:
-        try:
-            configure(reranker, spec)
-        except RuntimeError as exc:  # e.g. +liger without liger-kernel or CUDA: say so, run the other variants
-            log(f"{spec['name']}: skipped: {exc}")
-            continue
-        common.reset_peak(device)
-        step = make_step(reranker, spec, groups, optimizer, trainable)
-        try:
-            times = common.time_steps(step, device, args.warmup, args.steps)
-        except torch.OutOfMemoryError as exc:  # pragma: no cover - GPU only
-            log(f"{spec['name']}: out of memory ({exc})")
-            optimizer.zero_grad(set_to_none=True)
-            common.reset_peak(device)
-            continue
-        med = statistics.median(times)
-        pairs = shape.group_size / med
-        tokens = tok_per_group / med
-        useful = (4 * n_lm * tok_per_group + 2 * n_vis * stats[0]["patches"]) / med
-        r = {
-            "label": spec["label"], "median_s": med, "min_s": min(times), "max_s": max(times),
-            "pairs_per_s": pairs, "tokens_per_s": tokens, "peak_gib": common.peak_gib(device),
-            "mfu": common.mfu(useful, tflops), "steps": len(times),
-        }
-        results[spec["name"]] = r
-        log(f"{spec['name']:>6}: {pairs:6.2f} pairs/s {tokens:8.0f} tok/s peak {r['peak_gib']:6.1f} GiB "
-            f"MFU {100 * r['mfu']:5.1f}%  step {med * 1e3:.0f} ms [{min(times) * 1e3:.0f}-{max(times) * 1e3:.0f}]  {spec['label']}")
-        optimizer.zero_grad(set_to_none=True)
-        if not args.no_score_check and spec["forward"] == "project":
-            got = eval_scores(reranker, check_groups)  # the same weights for both: the steps above trained them
-            configure(reranker, plain)
-            cmp = compare_scores(eval_scores(reranker, check_groups), got)
-            configure(reranker, spec)
-            r["score_check"] = cmp
-            log(f"{spec['name']:>6}: scores vs the plain padded step ({len(check_groups)} unseen groups, eval): max |diff| "
-                f"{cmp['max_abs_score_diff']:.2e}, same ranking {cmp['same_ranking']}/{cmp['groups']} groups, "
-                f"{cmp['discordant_pairs']}/{cmp['doc_pairs']} document pairs flipped "
-                f"(largest reference gap among them {cmp['largest_ref_gap_flipped']:.2e})")
-        if spec["name"] in profiles:  # right after its timing, in the same configuration
-            log(profile_variant(reranker, spec, groups, optimizer, trainable, device, args.out))
+    time_variants(args, reranker, specs, groups, check_groups, optimizer, trainable, device, results,
+                  plain=parse_variant("c0", num_layers), pairs_per_group=shape.group_size,
+                  tokens_per_group=tok_per_group,
+                  flops_per_group=4 * n_lm * tok_per_group + 2 * n_vis * stats[0]["patches"], tflops=tflops,
+                  profiles=profiles)
 
     if args.project is None:  # the fastest project step (fast vision) within the memory limit
         fits = [(r["pairs_per_s"], n) for n, r in results.items() if isinstance(r, dict) and "pairs_per_s" in r
@@ -532,21 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"memory: {slope:.2f} GiB per decoder layer that keeps its activations "
             f"(~{per_tok / 1024:.0f} KiB per padded token per layer)")
 
-    log("")
-    log(f"summary ({env.get('gpu')}, torch {env['torch']}, transformers {env['transformers']}, matmul {tflops:.0f} TFLOP/s)")
-    base = results.get(project_name, {}).get("pairs_per_s") if project_name else None
-    log(f"{'variant':>18} {'pairs/s':>8} {'tok/s':>8} {'peak GiB':>9} {'MFU':>6} {'vs (c)':>7}  what")
-    for name, r in results.items():
-        if isinstance(r, dict) and "pairs_per_s" in r:
-            vs = f"{r['pairs_per_s'] / base:6.2f}x" if base else f"{'':>7}"
-            log(f"{name:>18} {r['pairs_per_s']:8.2f} {r['tokens_per_s']:8.0f} {r['peak_gib']:9.1f} {100 * r['mfu']:5.1f}% {vs}  "
-                f"{r['label']}")
-    if project_name in results and "a" in results:
-        ratio = results[project_name]["pairs_per_s"] / results["a"]["pairs_per_s"]
-        results["ratio_c_over_a"] = ratio
-        ok_mem = results[project_name]["peak_gib"] <= args.max_peak_gib or device.type != "cuda"
-        log(f"(c) = {project_name}: {ratio:.2f}x (a) in pairs/s; peak {results[project_name]['peak_gib']:.1f} GiB "
-            f"({'within' if ok_mem else 'OVER'} {args.max_peak_gib:.0f} GiB)")
+    print_summary(results, env, tflops, project_name, args.max_peak_gib, device)
     if args.out is not None:
         (args.out / ("train_step_tiny.json" if args.tiny else "train_step.json")).write_text(
             json.dumps({"env": env, "matmul_tflops": tflops, "results": results}, indent=1, default=str) + "\n")

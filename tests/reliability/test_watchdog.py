@@ -55,9 +55,10 @@ def test_a_silent_rank_stops_the_stage_and_says_where_each_rank_was(tmp_path, re
     assert "stopped by the watchdog: no progress for 6 s (training.launch.watchdog_s)" in first, message
     assert elapsed < 90, elapsed
     assert "rank 1 (last progress: step 2" in first and "rank 0 (last progress: step 2" in first
-    # each rank's stack: rank 1 asleep in the fault point, rank 0 waiting in a collective in torch
-    assert re.search(r"rank 1 in lychee_pipeline/training/train\.py:\d+ fault_point", first), first
-    assert re.search(r"rank 0 in torch/\S+ \S+ \(from lychee_pipeline/training/train\.py:\d+ main\)", first), first
+    # each rank's stack: rank 1 asleep in the fault point, rank 0 waiting in a collective in torch (DDP's
+    # forward of the next step, called from the training step)
+    assert re.search(r"rank 1 in lychee_pipeline/training/faults\.py:\d+ fault_point", first), first
+    assert re.search(r"rank 0 in torch/\S+ \S+ \(from lychee_pipeline/training/step\.py:\d+ __call__\)", first), first
     assert "rank 0:" in message and "rank 1:" in message  # last words of each rank follow
     stage_dir = Path(plan.run_dir) / "stage_2cpu_final"
     pids = _rank_pids(stage_dir)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from stage_plans import RESUME, worker_plan
 
 from lychee_pipeline.pipelines.training.nodes import check_stage
-from lychee_pipeline.training.gate import StageGateError
-from lychee_pipeline.training.planning import plan_training, run_training_stage
 from lychee_pipeline.runtime.launcher import StageFailed
+from lychee_pipeline.training.gate import StageGateError
+from lychee_pipeline.training.planning import TrainingPlan, plan_training, run_training_stage, stage_spec
 
 
 def _plan(tmp_path, gpus=1, **training):
@@ -50,3 +53,17 @@ def test_gate_stops_injected_nan(tmp_path, training_table_path, monkeypatch):
     result = run_training_stage(training_table_path, plan, devices=1, final=True)
     with pytest.raises(StageGateError, match="'finite loss' failed for stage_1cpu_final: non-finite loss at step 1"):
         check_stage(result, plan)
+
+
+def test_run_returns_the_result_it_writes(tmp_path, training_table_path, traced):
+    """`train.run(spec)` in one plain process (no launcher): rank 0 returns the StageResult it wrote as result.json."""
+    spec = stage_spec(TrainingPlan.model_validate(_plan(tmp_path, max_steps=2)), training_table_path, 1, True)
+    spec.write(tmp_path / "spec.json")
+    code = ("import sys; from pathlib import Path; from lychee_pipeline.training.stage import StageResult, StageSpec; "
+            "from lychee_pipeline.training.train import run; spec = StageSpec.read(Path(sys.argv[1])); "
+            "result = run(spec); written = StageResult.read(Path(spec.output_dir) / 'result.json'); "
+            "print('same' if result == written else 'differs', result.steps, len(result.records_seen))")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "spec.json")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "same 2 2", done.stdout[-2000:]

@@ -19,11 +19,12 @@ allocations (``cudaMalloc``), the two host-side costs a long loop has and a shor
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import statistics
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -33,7 +34,8 @@ ROW_FIELDS = ("step", "data_ms", "issue_ms", "host_ms", "gpu_ms", "gap_ms")
 class StepTiming:
     """Cheap per-step attribution: host clocks always, CUDA events on a GPU (never waited on per step)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock  # seconds on the host; a test passes its own to count exactly what goes where
         self.cuda = device.type == "cuda"
         self.device = device
         self.rows: dict[int, list] = {}  # step -> [data_ms, issue_ms, host_ms, gpu_ms, gap_ms]
@@ -58,12 +60,12 @@ class StepTiming:
         """Iterate ``loader``, timing each ``next()`` as data wait; the step's start event follows the batch."""
         iterator = iter(loader)
         while True:
-            began = time.perf_counter()
+            began = self.clock()
             try:
                 batch = next(iterator)
             except StopIteration:
                 return
-            now = time.perf_counter()
+            now = self.clock()
             self._data_s += now - began
             self._arrived = now
             if self._last_issued is None:  # the first step of this loop: its host time starts at its first fetch
@@ -76,13 +78,13 @@ class StepTiming:
     def micro_batch_issued(self) -> None:
         """A micro-batch's forward/backward handed to the device (an accumulation step without an update)."""
         if self._arrived is not None:
-            self._issue_s += time.perf_counter() - self._arrived
+            self._issue_s += self.clock() - self._arrived
             self._arrived = None
 
     def step_issued(self, step: int) -> None:
         """Optimizer step ``step`` handed to the device: closes its host figures and records its end event."""
         self.micro_batch_issued()
-        now = time.perf_counter()
+        now = self.clock()
         host = now - self._last_issued if self._last_issued is not None else float("nan")
         self.rows[step] = [1e3 * self._data_s, 1e3 * self._issue_s, 1e3 * host, None, None]
         self._last_issued = self._issued_at[step] = now
@@ -99,6 +101,13 @@ class StepTiming:
 
     def add_heartbeat(self, seconds: float) -> None:
         self.heartbeat_s += seconds
+
+    @contextlib.contextmanager
+    def heartbeat(self) -> Iterator[None]:
+        """Times the loop's heartbeat write (part of the step's tail) into ``heartbeat_ms_total``."""
+        began = self.clock()
+        yield
+        self.add_heartbeat(self.clock() - began)
 
     def mark_allocator(self, step: int) -> None:
         """Snapshot of the CUDA caching allocator's counters (host-side, no sync) after ``step``."""
@@ -126,9 +135,9 @@ class StepTiming:
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
-            self._gc_started = time.perf_counter()
+            self._gc_started = self.clock()
         elif self._gc_started is not None:
-            now = time.perf_counter()
+            now = self.clock()
             self.gc_events.append((now, now - self._gc_started))
             self._gc_started = None
 
