@@ -186,7 +186,7 @@ def test_measure_equals_the_prepared_count_and_counts_nothing(reranker, images, 
 def test_the_fast_image_processor_is_used_exactly_when_torchvision_is_installed(reranker):
     from transformers.utils import is_torchvision_available
 
-    from lychee_pipeline.reranker.families.qwen2_5_vl import image_processor_kind
+    from lychee_pipeline.reranker.families.qwen2_5_vl.processor import image_processor_kind
 
     assert image_processor_kind(reranker.model.processor) == ("fast" if is_torchvision_available() else "pil")
 
