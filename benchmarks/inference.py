@@ -150,8 +150,8 @@ def instrument(collator) -> dict:
 def instrument_all(scorer: Reranker) -> dict:
     """:func:`instrument` on the scorer's collator and on each preparing thread's own collator, summed (host
     seconds across threads, so with several threads more than the wall time they take)."""
-    workers = scorer._workers()
-    collators = [scorer.collator] + (scorer._worker_collators(workers) if workers > 1 else [])
+    workers = scorer.preparation.threads()
+    collators = [scorer.collator] + (scorer.preparation.worker_collators(workers) if workers > 1 else [])
     parts = [instrument(c) for c in collators]
     total = {}
 
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = {"pairs_per_s": len(pairs) / secs, "seconds": secs, "peak_gib": common.peak_gib(device),
                          "host_prepare_s": phases["prepare_s"], "host_decode_s": phases["decode_s"],
                          "host_encode_s": phases["encode_s"], "first_forward_after_s": first["t"] - began,
-                         "prepare_workers": scorer._workers(), "first_chunk": bounds[0][1] if bounds else 0,
+                         "prepare_workers": scorer.preparation.threads(), "first_chunk": bounds[0][1] if bounds else 0,
                          "batches": sum(-(-(e - s) // bs) for s, e in bounds),
                          "label": f"{cls.__name__}.score_pairs, batch {bs} length-sorted, last-position logits"
                                   + (", fast vision" if fast else ", stock vision"),

@@ -100,7 +100,7 @@ def test_several_preparing_threads_give_the_serial_scores_and_counts(reranker, i
         assert scorer.score_pairs(pairs) == expected
         assert scorer.collator.stats.pairs == call * len(pairs)
         assert threading.active_count() == before  # the pool's threads are gone
-    assert scorer.collator.stats.truncated_pairs > 0 and len(scorer._clones) == 3
+    assert scorer.collator.stats.truncated_pairs > 0 and len(scorer.preparation.clones) == 3
 
 
 def test_a_small_first_batch_starts_the_device_early_with_the_same_scores(reranker, images, jpegs):
@@ -195,11 +195,11 @@ def test_auto_prepares_in_one_thread_where_the_model_shares_the_cpu(reranker):
     """Two preparing threads only on a GPU whose packed attention is one variable-length call per layer (the
     launching thread is then light) with the CPUs for them; on a CPU the host threads and the model share the
     cores (docs/benchmarks.md, "Short calls, and two preparing threads")."""
-    from lychee_pipeline.reranker.inference import auto_preparing_threads
+    from lychee_pipeline.reranker.preparation import auto_preparing_threads
 
     assert auto_preparing_threads("cuda", True, 16) == 2
     assert auto_preparing_threads("cuda", False, 16) == 1  # per-pair attention calls: the launching thread is busy
     assert auto_preparing_threads("cuda", True, 2) == 1
     assert auto_preparing_threads("cpu", True, 16) == 1
-    assert Reranker(reranker.model)._workers() == 1  # this machine: the model on the CPU
-    assert Reranker(reranker.model, prepare_workers=3)._workers() == 3
+    assert Reranker(reranker.model).preparation.threads() == 1  # this machine: the model on the CPU
+    assert Reranker(reranker.model, prepare_workers=3).preparation.threads() == 3
