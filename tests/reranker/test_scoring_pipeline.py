@@ -120,6 +120,7 @@ def test_a_small_first_batch_starts_the_device_early_with_the_same_scores(rerank
     assert positions[0] == [0, 1] or positions[0] == [1, 0]
     for workers in (1, 3):
         split.prepare_workers = workers
+        assert split.preparation.threads() == workers  # the setting reaches the preparing threads
         assert split.score_pairs(pairs) == expected
     unsplit = Reranker(reranker.model, batch_size=3, chunk_batches=2, max_pixels=12544).score_pairs(pairs)
     assert max(abs(a - b) for a, b in zip(expected, unsplit)) < 1e-4  # only the padding differs

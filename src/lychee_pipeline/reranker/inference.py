@@ -167,6 +167,14 @@ class Reranker:
     def batch_size(self) -> int:
         return self.preparation.batch_size
 
+    # the preparing settings stay settable on the scorer between calls (they live on its preparation)
+    prefetch_batches = property(lambda self: self.preparation.prefetch_batches,
+                                lambda self, value: setattr(self.preparation, "prefetch_batches", value))
+    prepare_workers = property(lambda self: self.preparation.prepare_workers,
+                               lambda self, value: setattr(self.preparation, "prepare_workers", value))
+    first_batch = property(lambda self: self.preparation.first_batch,
+                           lambda self, value: setattr(self.preparation, "first_batch", value))
+
     @property
     def chunk_size(self) -> int:
         return self.preparation.chunk_size
