@@ -20,13 +20,14 @@ from typing import Any, Callable
 import torch
 
 from lychee_pipeline.reranker.families import qwen2_5_vl
+from lychee_pipeline.reranker.families.qwen2_5_vl.recipe import TOKEN_IDS
 
 # Qwen2.5-VL-7B-Instruct's token ids (the synthetic inputs are in its vocabulary)
-IMAGE_TOKEN_ID = qwen2_5_vl.TOKEN_IDS["image_token_id"]
-VISION_START_ID = qwen2_5_vl.TOKEN_IDS["vision_start_token_id"]
-VISION_END_ID = qwen2_5_vl.TOKEN_IDS["vision_end_token_id"]
-PAD_ID = qwen2_5_vl.TOKEN_IDS["pad_token_id"]  # <|endoftext|>
-IM_END_ID = qwen2_5_vl.TOKEN_IDS["eos_token_id"]
+IMAGE_TOKEN_ID = TOKEN_IDS["image_token_id"]
+VISION_START_ID = TOKEN_IDS["vision_start_token_id"]
+VISION_END_ID = TOKEN_IDS["vision_end_token_id"]
+PAD_ID = TOKEN_IDS["pad_token_id"]  # <|endoftext|>
+IM_END_ID = TOKEN_IDS["eos_token_id"]
 IM_START_ID = 151644
 TEXT_ID_RANGE = (0, 151000)  # ordinary BPE ids
 # "yes" / "no" in Qwen2's vocabulary (any two ordinary ids would do for random weights)
@@ -65,7 +66,7 @@ def log(msg: str) -> None:
 
 def build_config(tiny: bool = False, **token_ids: int):
     """Qwen2_5_VLConfig with the published 7B dimensions, or with ``tiny`` the miniature ``builtin:tiny`` is built
-    with (the same recipe, ``families/qwen2_5_vl.py``); random init only. ``token_ids`` override Qwen's ids
+    with (the same recipe, ``families/qwen2_5_vl/recipe.py``); random init only. ``token_ids`` override Qwen's ids
     (e.g. to match a tokenizer)."""
     return qwen2_5_vl.architecture_config("tiny" if tiny else "7b", token_ids=token_ids)
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lychee_pipeline.reranker import collate  # noqa: E402
 from lychee_pipeline.reranker.collate import PairCollator, load_image  # noqa: E402
-from lychee_pipeline.reranker.families.qwen2_5_vl import image_processor_kind, load_processor  # noqa: E402
+from lychee_pipeline.reranker.families.qwen2_5_vl.processor import image_processor_kind, load_processor  # noqa: E402
 from lychee_pipeline.reranker.prompt import instruction_for  # noqa: E402
 from lychee_pipeline.reranker.tiny import ensure_tiny  # noqa: E402
 from train_stage import make_jpegs  # noqa: E402

@@ -49,6 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 from lychee_pipeline.reranker.families import qwen2_5_vl  # noqa: E402
+from lychee_pipeline.reranker.families.qwen2_5_vl.fast_vision import disable_fast_path  # noqa: E402
+from lychee_pipeline.reranker.families.qwen2_5_vl.recipe import token_ids_of  # noqa: E402
 from lychee_pipeline.reranker.collate import PairCollator  # noqa: E402
 from lychee_pipeline.reranker.inference import Reranker, to_device  # noqa: E402
 from lychee_pipeline.reranker.kernels import apply_kernels  # noqa: E402
@@ -102,7 +104,7 @@ def make_pairs(processor, n_queries: int, docs_per_query: int, text_tokens: int,
 def build(tiny: bool, device: torch.device, dtype: torch.dtype, tiny_dir: str) -> LycheeReranker:
     processor = qwen2_5_vl.load_processor(str(ensure_tiny(tiny_dir)))
     tok = processor.tokenizer
-    ids = qwen2_5_vl.token_ids_of(tok)
+    ids = token_ids_of(tok)
     model = common.build_model(common.build_config(tiny=tiny, **ids), device, dtype)
     model.eval()
     for p in model.parameters():
@@ -148,8 +150,8 @@ def instrument(collator) -> dict:
 def instrument_all(scorer: Reranker) -> dict:
     """:func:`instrument` on the scorer's collator and on each preparing thread's own collator, summed (host
     seconds across threads, so with several threads more than the wall time they take)."""
-    workers = scorer._workers()
-    collators = [scorer.collator] + (scorer._worker_collators(workers) if workers > 1 else [])
+    workers = scorer.preparation.threads()
+    collators = [scorer.collator] + (scorer.preparation.worker_collators(workers) if workers > 1 else [])
     parts = [instrument(c) for c in collators]
     total = {}
 
@@ -303,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     ref = None
     if not args.skip_naive:  # naive loop (stock path)
-        qwen2_5_vl.disable_fast_path(reranker)
+        disable_fast_path(reranker)
         naive_scores(reranker, warm)
         common.reset_peak(device)
         ref, secs = timed(lambda: naive_scores(reranker, pairs), device)
@@ -328,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         variants.append((f"core-b{bs}", Reranker, bs, True, pipeline))
     scores = {}
     for name, cls, bs, fast, options in variants:
-        qwen2_5_vl.disable_fast_path(reranker)
+        disable_fast_path(reranker)
         if fast:
             qwen2_5_vl.enable_fast_path(reranker)
         scorer = cls(reranker, batch_size=bs, **options)
@@ -344,13 +346,13 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = {"pairs_per_s": len(pairs) / secs, "seconds": secs, "peak_gib": common.peak_gib(device),
                          "host_prepare_s": phases["prepare_s"], "host_decode_s": phases["decode_s"],
                          "host_encode_s": phases["encode_s"], "first_forward_after_s": first["t"] - began,
-                         "prepare_workers": scorer._workers(), "first_chunk": bounds[0][1] if bounds else 0,
+                         "prepare_workers": scorer.preparation.threads(), "first_chunk": bounds[0][1] if bounds else 0,
                          "batches": sum(-(-(e - s) // bs) for s, e in bounds),
                          "label": f"{cls.__name__}.score_pairs, batch {bs} length-sorted, last-position logits"
                                   + (", fast vision" if fast else ", stock vision"),
                          **({"vs_naive": compare(ref, scores[name], args.docs)} if ref is not None else {})}
     if args.images != "memory":  # host work in line (no overlap), and the device alone on the same batches
-        qwen2_5_vl.disable_fast_path(reranker)
+        disable_fast_path(reranker)
         qwen2_5_vl.enable_fast_path(reranker)
         serial = Reranker(reranker, batch_size=args.batch_size, prefetch_batches=0, **pipeline)
         common.reset_peak(device)
@@ -367,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                                "same_scores_as_core": scores["gpu-only"] == scores["core"]}
     if args.fast_check > 0:  # the fast vision path alone: same scorer, same batches, with and without it
         sub = pairs[: args.fast_check]
-        qwen2_5_vl.disable_fast_path(reranker)
+        disable_fast_path(reranker)
         s_stock = Reranker(reranker, batch_size=args.batch_size).score_pairs(sub)
         qwen2_5_vl.enable_fast_path(reranker)
         s_fast = Reranker(reranker, batch_size=args.batch_size).score_pairs(sub)

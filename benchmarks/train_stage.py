@@ -141,7 +141,8 @@ def write_table(folder: Path, processor, images: list[str], records: int, negati
 
 def save_model_folder(folder: Path, tiny: bool, device: torch.device, dtype: torch.dtype) -> Path:
     """The 7B (or tiny) architecture with random weights + the built-in tiny processor, as a model folder."""
-    from lychee_pipeline.reranker.families.qwen2_5_vl import load_processor, save_processor, token_ids_of
+    from lychee_pipeline.reranker.families.qwen2_5_vl import load_processor, save_processor
+    from lychee_pipeline.reranker.families.qwen2_5_vl.recipe import token_ids_of
     from lychee_pipeline.reranker.tiny import ensure_tiny
 
     if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file():

@@ -53,6 +53,7 @@ import common  # noqa: E402
 from lychee_pipeline.reranker import kernels as fused_kernels  # noqa: E402
 from lychee_pipeline.reranker import packing  # noqa: E402
 from lychee_pipeline.reranker.families import qwen2_5_vl  # noqa: E402
+from lychee_pipeline.reranker.families.qwen2_5_vl.fast_vision import disable_fast_path  # noqa: E402
 from lychee_pipeline.reranker.losses import LossOptions, get_loss, listwise_loss  # noqa: E402
 from lychee_pipeline.reranker.model import (  # noqa: E402
     LycheeReranker,
@@ -191,7 +192,7 @@ def set_compile(reranker: LycheeReranker, on: bool) -> None:
 
 
 def configure(reranker: LycheeReranker, spec: dict) -> None:
-    qwen2_5_vl.disable_fast_path(reranker)
+    disable_fast_path(reranker)
     if spec["fast"] == "all":
         qwen2_5_vl.enable_fast_path(reranker)
     elif spec["fast"] == "windows":

@@ -7,7 +7,8 @@ import pytest
 import torch
 from PIL import Image
 
-from lychee_pipeline.reranker.families import qwen2_5_vl
+from lychee_pipeline.reranker.families import qwen2_5_vl, segments
+from lychee_pipeline.reranker.families.qwen2_5_vl.checkpointing import checkpoint_layers_for_budget
 from lychee_pipeline.reranker.collate import GroupCollator
 from lychee_pipeline.reranker.losses import listwise_loss, pointwise_loss
 from lychee_pipeline.reranker.model import enable_activation_checkpointing
@@ -43,7 +44,7 @@ def _pixels(grids, seed=0):
 def test_segment_plan_groups_by_length():
     # windows of 64, 64, 32, 64, 32 rows, then one image of 100 rows
     cu = torch.tensor([0, 64, 128, 160, 224, 256, 356], dtype=torch.int32)
-    plan = qwen2_5_vl.segment_plan(cu)
+    plan = segments.segment_plan(cu)
     by_len = {g.length: g for g in plan}
     assert set(by_len) == {64, 32, 100}
     g64 = by_len[64]
@@ -51,7 +52,7 @@ def test_segment_plan_groups_by_length():
     assert g64.index.tolist() == list(range(0, 128)) + list(range(160, 224))
     assert by_len[32].count == 2 and by_len[32].index.tolist() == list(range(128, 160)) + list(range(224, 256))
     assert by_len[100].start == 256 and by_len[100].index is None
-    assert qwen2_5_vl.segment_plan(cu) is plan  # cached on the tensor
+    assert segments.segment_plan(cu) is plan  # cached on the tensor
 
 
 @pytest.mark.parametrize(
@@ -184,9 +185,9 @@ def test_checkpoint_layers_for_budget():
     gib = 2**30
     # 28 layers, 8000 tokens, 1 MiB... per token-layer of activations -> each kept layer costs ~7.8 GiB/8
     per = 128 * 1024  # bytes per token per kept layer
-    k = qwen2_5_vl.checkpoint_layers_for_budget(28, 8000, 40 * gib, 20 * gib, per, 8 * 1024)
+    k = checkpoint_layers_for_budget(28, 8000, 40 * gib, 20 * gib, per, 8 * 1024)
     kept = 28 - k
     assert 20 * gib + 8000 * (kept * per + k * 8 * 1024) <= 40 * gib
     assert 20 * gib + 8000 * ((kept + 1) * per + (k - 1) * 8 * 1024) > 40 * gib
-    assert qwen2_5_vl.checkpoint_layers_for_budget(28, 10, 40 * gib, 1 * gib, per) == 0
-    assert qwen2_5_vl.checkpoint_layers_for_budget(28, 10**7, 40 * gib, 1 * gib, per) == 28
+    assert checkpoint_layers_for_budget(28, 10, 40 * gib, 1 * gib, per) == 0
+    assert checkpoint_layers_for_budget(28, 10**7, 40 * gib, 1 * gib, per) == 28

@@ -13,6 +13,7 @@ from transformers import Qwen2_5_VLConfig
 
 from lychee_pipeline.reranker import families
 from lychee_pipeline.reranker.families import qwen2_5_vl
+from lychee_pipeline.reranker.families.qwen2_5_vl import processor as qwen_processor, recipe
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -20,9 +21,9 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 def _architecture(config) -> dict:
     """The dimensions of a config (what decides the shapes of the weights), without token ids and vocabulary."""
     text, vision = config.text_config.to_dict(), config.vision_config.to_dict()
-    keep = set(qwen2_5_vl.ARCHITECTURES["tiny"]["text"]) | {"rope_parameters"}
+    keep = set(recipe.ARCHITECTURES["tiny"]["text"]) | {"rope_parameters"}
     return {"text": {k: v for k, v in text.items() if k in keep},
-            "vision": {k: v for k, v in vision.items() if k in set(qwen2_5_vl.ARCHITECTURES["tiny"]["vision"])
+            "vision": {k: v for k, v in vision.items() if k in set(recipe.ARCHITECTURES["tiny"]["vision"])
                        | {"out_hidden_size"}}}
 
 
@@ -32,7 +33,7 @@ def test_builtin_tiny_is_built_from_the_tiny_architecture(tiny_dir):
     ids = {key: getattr(saved, key) for key in ("image_token_id", "video_token_id", "vision_start_token_id",
                                                "vision_end_token_id", "pad_token_id", "eos_token_id")}
     assert ids["image_token_id"] == tok.convert_tokens_to_ids("<|image_pad|>")
-    assert qwen2_5_vl.token_ids_of(tok) == ids
+    assert recipe.token_ids_of(tok) == ids
     rebuilt = qwen2_5_vl.architecture_config("tiny", saved.text_config.vocab_size, ids)
     written_on_save = {"architectures", "dtype"}
     assert rebuilt.to_diff_dict() == {k: v for k, v in saved.to_diff_dict().items() if k not in written_on_save}
@@ -47,7 +48,7 @@ def test_the_benchmarks_tiny_config_is_builtin_tiny_s_architecture(tiny_dir, mon
     assert _architecture(common.build_config(tiny=True)) == _architecture(saved)
     seven_b = common.build_config(tiny=False)
     assert _architecture(seven_b) != _architecture(saved)
-    assert seven_b.text_config.vocab_size == qwen2_5_vl.VOCAB_SIZE
+    assert seven_b.text_config.vocab_size == recipe.VOCAB_SIZE
     assert seven_b.image_token_id == common.IMAGE_TOKEN_ID
 
 
@@ -73,8 +74,8 @@ def test_importing_the_library_builds_no_processor_and_imports_no_transformers()
 
 def test_the_processor_shim_is_created_once_and_pickles_by_reference(tiny_dir):
     processor = qwen2_5_vl.load_processor(tiny_dir)
-    shim = qwen2_5_vl.processor_shim_class()
-    assert qwen2_5_vl.LycheeProcessor is shim and qwen2_5_vl.processor_shim_class() is shim
+    shim = qwen_processor.processor_shim_class()
+    assert qwen2_5_vl.LycheeProcessor is shim and qwen_processor.processor_shim_class() is shim
     if type(processor) is shim:  # no torchvision: the shim is what loaded
         copy = pickle.loads(pickle.dumps(processor))
         assert type(copy) is shim

@@ -100,7 +100,7 @@ def test_several_preparing_threads_give_the_serial_scores_and_counts(reranker, i
         assert scorer.score_pairs(pairs) == expected
         assert scorer.collator.stats.pairs == call * len(pairs)
         assert threading.active_count() == before  # the pool's threads are gone
-    assert scorer.collator.stats.truncated_pairs > 0 and len(scorer._clones) == 3
+    assert scorer.collator.stats.truncated_pairs > 0 and len(scorer.preparation.clones) == 3
 
 
 def test_a_small_first_batch_starts_the_device_early_with_the_same_scores(reranker, images, jpegs):
@@ -120,6 +120,7 @@ def test_a_small_first_batch_starts_the_device_early_with_the_same_scores(rerank
     assert positions[0] == [0, 1] or positions[0] == [1, 0]
     for workers in (1, 3):
         split.prepare_workers = workers
+        assert split.preparation.threads() == workers  # the setting reaches the preparing threads
         assert split.score_pairs(pairs) == expected
     unsplit = Reranker(reranker.model, batch_size=3, chunk_batches=2, max_pixels=12544).score_pairs(pairs)
     assert max(abs(a - b) for a, b in zip(expected, unsplit)) < 1e-4  # only the padding differs
@@ -186,7 +187,7 @@ def test_measure_equals_the_prepared_count_and_counts_nothing(reranker, images, 
 def test_the_fast_image_processor_is_used_exactly_when_torchvision_is_installed(reranker):
     from transformers.utils import is_torchvision_available
 
-    from lychee_pipeline.reranker.families.qwen2_5_vl import image_processor_kind
+    from lychee_pipeline.reranker.families.qwen2_5_vl.processor import image_processor_kind
 
     assert image_processor_kind(reranker.model.processor) == ("fast" if is_torchvision_available() else "pil")
 
@@ -195,11 +196,11 @@ def test_auto_prepares_in_one_thread_where_the_model_shares_the_cpu(reranker):
     """Two preparing threads only on a GPU whose packed attention is one variable-length call per layer (the
     launching thread is then light) with the CPUs for them; on a CPU the host threads and the model share the
     cores (docs/benchmarks.md, "Short calls, and two preparing threads")."""
-    from lychee_pipeline.reranker.inference import auto_preparing_threads
+    from lychee_pipeline.reranker.preparation import auto_preparing_threads
 
     assert auto_preparing_threads("cuda", True, 16) == 2
     assert auto_preparing_threads("cuda", False, 16) == 1  # per-pair attention calls: the launching thread is busy
     assert auto_preparing_threads("cuda", True, 2) == 1
     assert auto_preparing_threads("cpu", True, 16) == 1
-    assert Reranker(reranker.model)._workers() == 1  # this machine: the model on the CPU
-    assert Reranker(reranker.model, prepare_workers=3)._workers() == 3
+    assert Reranker(reranker.model).preparation.threads() == 1  # this machine: the model on the CPU
+    assert Reranker(reranker.model, prepare_workers=3).preparation.threads() == 3

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .families import qwen2_5_vl
+from .families import DEFAULT_FAMILY, family_for
 from .prompt import build_messages, instruction_for, render_prompt, task_type_of
 
 log = logging.getLogger(__name__)
@@ -161,6 +161,8 @@ class PairCollator:
 
     ``instructions`` overrides the per-task-type defaults (see ``prompt.DEFAULT_INSTRUCTIONS``).
     ``max_pixels`` may be changed between batches (resolution schedule): ``set_max_pixels``.
+    ``family``: the ``model_type`` of the model's family (``families.FAMILIES``), whose rule counts image tokens
+    (a model's is ``LycheeReranker.family.NAME``).
     """
 
     def __init__(
@@ -170,6 +172,7 @@ class PairCollator:
         min_pixels: int = DEFAULT_MIN_PIXELS,
         max_pixels: int = DEFAULT_MAX_PIXELS,
         instructions: Mapping[str, str] | None = None,
+        family: str = DEFAULT_FAMILY,
     ):
         if min_pixels > max_pixels:
             raise ValueError(f"min_pixels ({min_pixels}) > max_pixels ({max_pixels})")
@@ -181,6 +184,7 @@ class PairCollator:
         self.min_pixels = int(min_pixels)
         self.max_pixels = int(max_pixels)
         self.instructions = dict(instructions or {})
+        self.family = family
         self.image_token = getattr(processor, "image_token", "<|image_pad|>")
         self.stats = TruncationStats()
         self._warned_over = False
@@ -192,7 +196,7 @@ class PairCollator:
     def image_tokens(self, image) -> int:
         """LM tokens one (PIL) image becomes under the current pixel budget (the processor's own rule)."""
         width, height = image.size
-        return qwen2_5_vl.image_tokens(self.processor, height, width, self.min_pixels, self.max_pixels)
+        return family_for(self.family).image_tokens(self.processor, height, width, self.min_pixels, self.max_pixels)
 
     def _count(self, text: str, image_tokens: int, n_images: int) -> int:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -436,6 +440,7 @@ class GroupCollator:
     ``negative_fill`` (``training.negative_fill``): ``"refuse"`` raises :class:`ShortGroupError` for a row
     with fewer than ``group_size - 1`` negatives; ``"fill_random"`` fills its group from other rows of
     ``fill_pool`` (see :func:`sample_group`); the filled slots are counted in ``fill_stats``.
+    ``family``: as :class:`PairCollator`'s.
     """
 
     def __init__(
@@ -450,12 +455,13 @@ class GroupCollator:
         epoch: int = 0,
         negative_fill: str = "refuse",
         fill_pool: Sequence[Mapping[str, Any]] | None = None,
+        family: str = DEFAULT_FAMILY,
     ):
         if negative_fill not in NEGATIVE_FILL_POLICIES:
             raise ValueError(f"negative_fill must be one of {NEGATIVE_FILL_POLICIES}, got {negative_fill!r}")
         if negative_fill == "fill_random" and fill_pool is None:
             raise ValueError("negative_fill='fill_random' needs fill_pool (the rows of the split, e.g. the dataset)")
-        self.pairs = PairCollator(processor, max_length, min_pixels, max_pixels, instructions)
+        self.pairs = PairCollator(processor, max_length, min_pixels, max_pixels, instructions, family)
         self.group_size = int(group_size)
         self.seed = int(seed)
         self.epoch = int(epoch)

@@ -37,15 +37,20 @@ def liger_installed() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
-def resolve_kernels(choice: str, device: torch.device | str) -> str:
-    """``"liger"`` or ``"none"`` for this device; ``"liger"`` asked for where it cannot run is a one-line error."""
+def resolve_kernels(choice: str, device: torch.device | str, refusal: str | None = None) -> str:
+    """``"liger"`` or ``"none"`` for this device; ``"liger"`` asked for where it cannot run is a one-line error.
+    ``refusal``: why the model's family refuses liger's kernels (``families.refused(family, "kernels")``):
+    ``auto`` then keeps the plain path, ``liger`` is an error with that reason."""
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"model.kernels must be one of {KERNEL_CHOICES}, got {choice!r}")
     device = torch.device(device)
     if choice == "none":
         return "none"
     if choice == "auto":
-        return "liger" if device.type == "cuda" and liger_installed() else "none"
+        return "liger" if device.type == "cuda" and liger_installed() and refusal is None else "none"
+    if refusal is not None:
+        raise RuntimeError(f"model.kernels=liger: the model's family does not support it: {refusal}; "
+                           "use kernels=auto or none")
     if not liger_installed():
         raise RuntimeError("model.kernels=liger needs liger-kernel (pip install 'lychee_pipeline[gpu]'); "
                            "use kernels=auto or none on this machine")
@@ -81,7 +86,8 @@ def apply_liger(model: nn.Module) -> dict[str, Any]:
     ``apply_liger_kernel_to_qwen2_5_vl``: liger-kernel 0.8.5's switch imports an output class that transformers
     5.24 renamed and fails with an ImportError, and it also replaces transformers' norm and MLP classes for every
     model built later in the process. The rotary function is still replaced in transformers' module (below), as
-    liger does: it is a module-level function, not a part of the instance."""
+    liger does: it is a module-level function, not a part of the instance. It knows Qwen2.5-VL's modules only: a
+    family whose modules it does not know refuses ``kernels`` (``REFUSED_FAST_PATHS``)."""
     from liger_kernel.transformers import LigerRMSNorm, LigerSwiGLUMLP
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf
 
@@ -114,11 +120,11 @@ def apply_liger(model: nn.Module) -> dict[str, Any]:
 
 def compile_decoder_layers(model: nn.Module) -> int:
     """``torch.compile`` every language-model decoder layer (in place); returns how many."""
-    from .families.qwen2_5_vl import decoder_layers
-
     import torch._dynamo
 
-    layers = decoder_layers(model)
+    from .families import family_of_model
+
+    layers = family_of_model(model).decoder_layers(model)
     # one layer code object meets several guard sets (training / eval, with and without checkpointing, packed or
     # padded inputs); past dynamo's default limit of 8 it would silently run the layers uncompiled
     name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
@@ -143,9 +149,13 @@ def avoid_cudnn_attention(device: torch.device | str) -> bool:
     return True
 
 
-def apply_kernels(model: nn.Module, choice: str, device: torch.device | str) -> str:
-    """Resolve ``model.kernels`` for ``device`` and apply it; logs the outcome once. Returns ``"liger"``/``"none"``."""
-    kind = resolve_kernels(choice, device)
+def apply_kernels(model: nn.Module, choice: str, device: torch.device | str, family: Any = None) -> str:
+    """Resolve ``model.kernels`` for ``device`` and the model's ``family`` (found from the model when None) and
+    apply it; logs the outcome once. Returns ``"liger"``/``"none"``."""
+    from .families import family_of_model, refused
+
+    refusal = refused(family or family_of_model(model), "kernels")
+    kind = resolve_kernels(choice, device, refusal)
     avoid_cudnn_attention(device)
     if kind == "liger":
         from importlib.metadata import version
@@ -154,6 +164,7 @@ def apply_kernels(model: nn.Module, choice: str, device: torch.device | str) -> 
         log.info("fused kernels: liger-kernel %s (%d RMSNorm, %d SwiGLU modules, %s rope)", version("liger-kernel"),
                  done["rms_norm_modules"], done["swiglu_modules"], done["rope"])
     else:
-        why = "asked for" if choice == "none" else ("not installed" if not liger_installed() else "not a CUDA device")
+        why = ("asked for" if choice == "none" else "not installed" if not liger_installed()
+               else "not a CUDA device" if torch.device(device).type != "cuda" else f"the family refuses it: {refusal}")
         log.info("fused kernels: none (kernels=%s, %s): plain PyTorch path", choice, why)
     return kind

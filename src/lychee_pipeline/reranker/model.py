@@ -1,9 +1,9 @@
 """Loading Lychee-rerank-mm style rerankers and scoring with a 2-way (yes, no) head.
 
-``load_reranker(ModelConfig(...), device)`` loads a Qwen2.5-VL checkpoint (hub id, local folder or
-``builtin:tiny``) with its model family's class (``families/``: ``Qwen2_5_VLForConditionalGeneration``,
-safetensors only, no remote code), prepares it for LoRA / QLoRA / full fine-tuning or frozen inference,
-and wraps it in
+``load_reranker(ModelConfig(...), device)`` loads a checkpoint (hub id, local folder or ``builtin:tiny``) with
+the class of its model family (``families/``, chosen by config.json's ``model_type``; Qwen2.5-VL:
+``Qwen2_5_VLForConditionalGeneration``), safetensors only, no remote code, prepares it for LoRA / QLoRA / full
+fine-tuning or frozen inference (the fast paths its family does not refuse), and wraps it in
 :class:`LycheeReranker`, whose forward returns only the (yes, no) logits of the last position,
 computed from the last hidden state and the two ``lm_head`` rows (no full-vocabulary logits).
 """
@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
-from .families import family_of
-from .families.qwen2_5_vl import save_processor
+from .families import family_of, family_of_model, refused, require_fast_path
 
 if TYPE_CHECKING:
     from .processing import ProcessingConfig
@@ -213,6 +212,11 @@ class LycheeReranker(nn.Module):
         return self.backbone.get_base_model() if self.is_peft else self.backbone
 
     @property
+    def family(self) -> Any:
+        """The model family of the backbone (``families.ModelFamily``), from its config's ``model_type``."""
+        return family_of_model(self.backbone)
+
+    @property
     def device(self) -> torch.device:
         return next(self.backbone.parameters()).device
 
@@ -307,7 +311,7 @@ class LycheeReranker(nn.Module):
         else:
             self.backbone.save_pretrained(out)  # transformers 5 writes safetensors only
             kind = "full"
-        save_processor(self.processor, out)
+        self.family.save_processor(self.processor, out)
         self._write_metadata(out, kind, processing)
         return out
 
@@ -324,7 +328,7 @@ class LycheeReranker(nn.Module):
         else:
             merged = self.backbone
         merged.save_pretrained(out)
-        save_processor(self.processor, out)
+        self.family.save_processor(self.processor, out)
         if processing is None:  # a merged export keeps the processing settings of what it was loaded from
             processing = processing_of(self.config.adapter or self.config.name_or_path)
         self._write_metadata(out, "merged", processing)
@@ -382,6 +386,10 @@ def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") 
     resolve_kernels(cfg.kernels, dev)  # a kernel choice this machine cannot run fails before the load
     path = resolve_model_path(cfg.name_or_path, cfg.local_files_only, cfg.tiny_cache_dir)
     family = family_of(path, cfg.local_files_only)  # the architecture's classes, processor and fast paths
+    for fast_path in ("fast_path", "pack_pairs"):  # a fast path the family refuses fails before the load
+        if getattr(cfg, fast_path):
+            require_fast_path(family, fast_path)
+    resolve_kernels(cfg.kernels, dev, refused(family, "kernels"))
     dtype = resolve_dtype(cfg.dtype, dev)
     kwargs: dict[str, Any] = {
         "dtype": dtype,
@@ -406,7 +414,7 @@ def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") 
     model = family.model_class().from_pretrained(path, **kwargs)
     if cfg.finetune != "qlora":
         model.to(dev)
-    apply_kernels(model, cfg.kernels, dev)  # fused RMSNorm/SwiGLU/rope (liger) or the plain path; logged
+    apply_kernels(model, cfg.kernels, dev, family)  # fused RMSNorm/SwiGLU/rope (liger) or the plain path; logged
 
     processor_path = path
     if cfg.adapter is not None and (Path(cfg.adapter) / "tokenizer_config.json").is_file():

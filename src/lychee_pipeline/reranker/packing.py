@@ -178,11 +178,11 @@ def register_packed_attention() -> None:
 
 
 def _text_configs(model: nn.Module) -> list[Any]:
-    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf
+    from .families import family_of_model
 
     configs = []
-    for module in model.modules():
-        if isinstance(module, hf.Qwen2_5_VLTextModel) and all(module.config is not c for c in configs):
+    for module in family_of_model(model).language_models(model):
+        if all(module.config is not c for c in configs):
             configs.append(module.config)
     return configs
 
@@ -271,12 +271,12 @@ class PackedBatch:
     vision_on_host: dict[str, Any] = field(default_factory=dict)
 
     def _map(self, fn) -> PackedBatch:
-        from .families import qwen2_5_vl
+        from .families.segments import map_segment_rows
 
         moved = {name: fn(getattr(self, name)) if getattr(self, name) is not None else None
                  for name in ("input_ids", "position_ids", "last_index", "cu_seqlens", "pixel_values", "image_rows")}
         return replace(self, **moved, vision_to_device={k: fn(v) for k, v in self.vision_to_device.items()},
-                       vision_on_host=qwen2_5_vl.map_segment_rows(self.vision_on_host, fn))
+                       vision_on_host=map_segment_rows(self.vision_on_host, fn))
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -293,8 +293,9 @@ def pack_batch(vl_model: nn.Module, batch: dict[str, Any]) -> PackedBatch:
     """The :class:`PackedBatch` of a padded batch (processor outputs). Works on the host: a batch already on
     the device is read back here (its token ids, mask, token types and grids; the first read waits for the
     device), the pixels stay where they are (host pixels are cast to the vision tower's dtype). ``vl_model`` is the
-    ``Qwen2_5_VLModel`` (its config, ``get_rope_index`` and the tower's dtype)."""
-    from .families import qwen2_5_vl
+    ``Qwen2_5_VLModel`` (its config, ``get_rope_index`` and the tower's dtype); its family computes the vision
+    tower's grid-derived inputs."""
+    from .families import family_of_model
 
     if batch.get("pixel_values_videos") is not None or batch.get("video_grid_thw") is not None:
         raise ValueError("packing pairs does not take videos; set model.pack_pairs: false to score them")
@@ -309,7 +310,8 @@ def pack_batch(vl_model: nn.Module, batch: dict[str, Any]) -> PackedBatch:
     vision_to_device, vision_on_host, image_rows = {}, {}, None
     if pixels is not None:
         image_rows = (inputs["input_ids"][0] == vl_model.config.image_token_id).nonzero().squeeze(1)
-        vision_to_device, vision_on_host = qwen2_5_vl.vision_inputs_on_host(vl_model.config.vision_config, grid)
+        vision_to_device, vision_on_host = family_of_model(vl_model).vision_inputs_on_host(
+            vl_model.config.vision_config, grid)
     # the text row of the positions is dropped on purpose: with row 0 present, transformers would also build a
     # dense packed T×T mask; the plan separates the pairs instead
     return PackedBatch(inputs["input_ids"], inputs["position_ids"][1:], last_index, plan, plan.as_tensor(), pixels,

@@ -2,7 +2,7 @@
 
 No model hub is reachable in development or CI, so this module builds a miniature of
 Qwen2.5-VL-7B-Instruct with the same classes, the same special tokens, the same chat template
-layout and the same image processing (the recipe is the Qwen2.5-VL family's, ``families/qwen2_5_vl.py``),
+layout and the same image processing (the recipe is the Qwen2.5-VL family's, ``families/qwen2_5_vl/recipe.py``),
 and saves it with ``save_pretrained`` (safetensors) into a cache folder.
 :func:`lychee_pipeline.reranker.model.load_reranker` then loads that folder through exactly the code
 path it uses for a real checkpoint.
@@ -32,9 +32,9 @@ MARKER_FILE = "lychee_tiny.json"
 
 def recipe() -> dict[str, Any]:
     """Everything that determines the built folder (the family's tiny recipe, this version and seed)."""
-    from .families import qwen2_5_vl
+    from .families import DEFAULT_FAMILY, family_for
 
-    return {"version": TINY_RECIPE_VERSION, "seed": TINY_SEED, **qwen2_5_vl.TINY_RECIPE}
+    return {"version": TINY_RECIPE_VERSION, "seed": TINY_SEED, **family_for(DEFAULT_FAMILY).TINY_RECIPE}
 
 
 def recipe_hash() -> str:
@@ -88,9 +88,9 @@ def _corpus() -> list[str]:
 
 
 def _build(out: Path) -> None:
-    from .families import qwen2_5_vl
+    from .families import DEFAULT_FAMILY, family_for
 
-    qwen2_5_vl.build_tiny(out, _corpus(), TINY_SEED)
+    family_for(DEFAULT_FAMILY).build_tiny(out, _corpus(), TINY_SEED)
     (out / MARKER_FILE).write_text(
         json.dumps({"name": TINY_NAME, "recipe_version": TINY_RECIPE_VERSION, "recipe_hash": recipe_hash()}, indent=2)
     )

@@ -1,0 +1,181 @@
+"""The fast Qwen2.5-VL vision path, numerically equal to the stock one: batched attention windows, the frozen
+tower without autograd, and the vision tower's grid-derived inputs computed on the host for a packed forward.
+
+Two problems of the stock Hugging Face path (transformers 5.17 - 5.23) at the Lychee shape (8 pairs, one 448x448
+image each), and what the fast path does about them (docs/benchmarks.md has the figures):
+
+1. Vision attention, one kernel call per window. Without flash-attn, ``Qwen2_5_VLVisionAttention``
+   splits the packed sequence at ``cu_seqlens`` and runs one SDPA call per window per layer (8 images
+   x 16 windows x 28 window layers = 3,584 tiny calls a step), plus one ``.tolist()`` device sync per
+   layer. :func:`enable_fast_path` replaces the forward of every vision attention module by one that
+   groups the segments by length and runs one SDPA call per distinct length (all windows of a
+   448x448 image have 64 patches: one call of batch 128 instead of 128 calls). The same attention
+   function, the same scaling and the same rotary code are used; each (window, head) is still
+   computed on its own, so the result equals the stock path (checked in
+   ``tests/reranker/test_fast_vision.py``). The segment plan is computed once per ``cu_seqlens``
+   tensor (one host sync per forward instead of one per layer).
+
+2. The frozen vision tower recorded by autograd. Enabling activation checkpointing calls
+   ``enable_input_require_grads``, which hooks every input-embedding layer, the vision tower's
+   ``patch_embed`` included: the frozen tower is then recorded, checkpointed, recomputed and
+   back-propagated through in every step, for gradients nobody uses. The fast path runs the vision
+   tower under ``torch.no_grad()`` whenever none of its parameters requires a gradient.
+
+Nothing here changes parameters or saved weights.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..segments import segment_plan
+from .model import hf_modeling, vision_classes
+
+ORIG_FORWARD = "_lychee_orig_forward"
+
+
+def vision_inputs_on_host(vision_config: Any, image_grid_thw: torch.Tensor) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What the vision tower derives from the image grids alone, computed on the host: ``(to the device, stays
+    on the host)``, passed to its forward as precomputed keyword arguments (transformers' ``vision_utils``).
+
+    Computed in the tower's own forward, these are Python loops over ``grid_thw.tolist()`` on a device tensor,
+    each a device sync. To the device: the rotary positions and the window order. On the host: the segment
+    bounds (full and windowed attention) with their segment plans built here, so the batched attention never
+    reads them back, and their longest segments.
+    """
+    from transformers import vision_utils
+
+    grid = image_grid_thw.cpu()
+    merge = vision_config.spatial_merge_size
+    window_index, cu_window_seqlens = vision_utils.get_vision_window_index(
+        grid, spatial_merge_size=merge, window_size=vision_config.window_size, patch_size=vision_config.patch_size)
+    cu_seqlens = vision_utils.get_vision_cu_seqlens(grid)
+    for cu in (cu_seqlens, cu_window_seqlens):
+        segment_plan(cu)
+    to_device = {"position_ids": vision_utils.get_vision_position_ids(grid, merge), "window_index": window_index}
+    on_host = {"cu_seqlens": cu_seqlens, "cu_window_seqlens": cu_window_seqlens,
+               "max_seqlen": int((cu_seqlens[1:] - cu_seqlens[:-1]).max()),
+               "max_window_seqlen": int((cu_window_seqlens[1:] - cu_window_seqlens[:-1]).max())}
+    return to_device, on_host
+
+
+def batched_vision_attention_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    max_seqlen: int | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """``Qwen2_5_VLVisionAttention.forward`` with one attention call per distinct segment length."""
+    hf = hf_modeling()
+    if hf.is_flash_attention_requested(self.config):  # flash-attn is already variable-length: keep it
+        cu_seqlens = cu_seqlens.to(hidden_states.device, non_blocking=True)  # prepared on the host
+        return getattr(self, ORIG_FORWARD)(hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs)
+
+    seq_length = hidden_states.shape[0]
+    query_states, key_states, value_states = (
+        self.qkv(hidden_states).reshape(seq_length, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    )
+    cos, sin = position_embeddings
+    query_states, key_states = hf.apply_rotary_pos_emb_vision(query_states, key_states, cos, sin)
+    heads, head_dim = query_states.shape[1], query_states.shape[2]
+
+    attention_interface = hf.ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, hf.eager_attention_forward
+    )
+    dropout = 0.0 if not self.training else self.attention_dropout
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, length: int) -> torch.Tensor:
+        # [count * length, H, D] -> [count, H, length, D]; returns [count * length, H * D]
+        q, k, v = (t.reshape(count, length, heads, head_dim).transpose(1, 2) for t in (q, k, v))
+        out = attention_interface(
+            self, q, k, v, attention_mask=None, scaling=self.scaling, dropout=dropout, is_causal=False, **kwargs
+        )[0]
+        return out.reshape(count * length, heads * head_dim)
+
+    plan = segment_plan(cu_seqlens)
+    if len(plan) == 1 and plan[0].start == 0 and plan[0].count * plan[0].length == seq_length:
+        g = plan[0]
+        attn_output = attend(query_states, key_states, value_states, g.count, g.length)
+    else:
+        attn_output = query_states.new_empty(seq_length, heads * head_dim)
+        for g in plan:
+            if g.index is None:
+                rows = slice(g.start, g.start + g.count * g.length)
+                attn_output[rows] = attend(query_states[rows], key_states[rows], value_states[rows], g.count, g.length)
+            else:
+                rows = g.rows_on(hidden_states.device)
+                picked = [t.index_select(0, rows) for t in (query_states, key_states, value_states)]
+                attn_output.index_copy_(0, rows, attend(*picked, g.count, g.length))
+
+    return self.proj(attn_output.contiguous())
+
+
+def _frozen_no_grad_forward(self: nn.Module, *args: Any, **kwargs: Any):
+    original = getattr(self, ORIG_FORWARD)
+    if torch.is_grad_enabled() and not any(p.requires_grad for p in self.parameters()):
+        with torch.no_grad():
+            return original(*args, **kwargs)
+    return original(*args, **kwargs)
+
+
+@dataclass
+class FastPathHandle:
+    """What :func:`enable_fast_path` changed; ``disable()`` restores the stock forwards."""
+
+    attention_modules: list[nn.Module] = field(default_factory=list)
+    vision_towers: list[nn.Module] = field(default_factory=list)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.attention_modules or self.vision_towers)
+
+    def disable(self) -> None:
+        for module in self.attention_modules + self.vision_towers:
+            if ORIG_FORWARD in module.__dict__:
+                del module.__dict__["forward"]
+                del module.__dict__[ORIG_FORWARD]
+        self.attention_modules.clear()
+        self.vision_towers.clear()
+
+
+def enable_fast_path(model: nn.Module, batched_windows: bool = True, frozen_vision_no_grad: bool = True) -> FastPathHandle:
+    """Switch every Qwen2.5-VL vision tower inside ``model`` to the fast path (idempotent).
+
+    ``batched_windows``: one attention call per distinct window length instead of one per window.
+    ``frozen_vision_no_grad``: run the vision tower under ``torch.no_grad()`` while none of its
+    parameters requires a gradient (checked at every call, so unfreezing it later is safe).
+    Returns a :class:`FastPathHandle`; ``handle.disable()`` restores the stock forwards.
+    Works on a :class:`~lychee_pipeline.reranker.model.LycheeReranker`, a peft model or a bare
+    ``Qwen2_5_VLForConditionalGeneration``; modules of other architectures are left alone.
+    """
+    attention_cls, tower_cls = vision_classes()
+    handle = FastPathHandle()
+    for module in model.modules():
+        if ORIG_FORWARD in module.__dict__:
+            continue  # already patched
+        if batched_windows and isinstance(module, attention_cls):
+            module.__dict__[ORIG_FORWARD] = module.forward
+            module.forward = types.MethodType(batched_vision_attention_forward, module)
+            handle.attention_modules.append(module)
+        elif frozen_vision_no_grad and isinstance(module, tower_cls):
+            module.__dict__[ORIG_FORWARD] = module.forward
+            module.forward = types.MethodType(_frozen_no_grad_forward, module)
+            handle.vision_towers.append(module)
+    return handle
+
+
+def disable_fast_path(model: nn.Module) -> None:
+    """Undo :func:`enable_fast_path` on every module of ``model``."""
+    handle = FastPathHandle()
+    for module in model.modules():
+        if ORIG_FORWARD in module.__dict__:
+            handle.attention_modules.append(module)
+    handle.disable()
+
