@@ -101,23 +101,98 @@ def test_markdown_report(document):
         assert f"(plots/{name})" in text
 
 
-def test_plots_decode_as_png(document, tmp_path):
+def _pixels_of(png: bytes, colour: str) -> int:
+    """How many pixels of the PNG are exactly `colour` ("C0": the colour matplotlib gives the first series)."""
+    from matplotlib.colors import to_rgb
+
+    with Image.open(io.BytesIO(png)) as image:
+        rgb = np.asarray(image.convert("RGB"))
+    return int((rgb == np.round(np.array(to_rgb(colour)) * 255).astype(np.uint8)).all(axis=-1).sum())
+
+
+def _lines(ax) -> list[tuple[str, list[float], list[float]]]:
+    return [(line.get_label(), [float(x) for x in line.get_xdata()], [float(y) for y in line.get_ydata()])
+            for line in ax.get_lines()]
+
+
+def _bars(ax) -> dict[str, list[float]]:
+    return {bars.get_label(): [float(bar.get_height()) for bar in bars] for bars in ax.containers}
+
+
+def test_plots_decode_as_png_and_show_the_documents_figures(document, tmp_path):
+    """Each plot draws the document's figures (the figure's artists), and the PNG shows them: each series in its
+    colour; a bar chart's pixels per model proportional to the sum of that model's bars."""
     doc, losses = document
-    plots = build_plots(doc, losses)
+    models = doc["ranking"]["models"]
+    plots = build_plots(doc, losses, {"stage_1gpu": [[1, 1e-4], [2, 5e-5], [3, 0.0]]})
     assert set(plots) == set(PLOT_FILES)
+    pngs = {}
     for name, fig in plots.items():
-        data = figure_png(fig)
-        (tmp_path / name).write_bytes(data)
-        with Image.open(io.BytesIO(data)) as image:
+        pngs[name] = figure_png(fig)
+        (tmp_path / name).write_bytes(pngs[name])
+        with Image.open(io.BytesIO(pngs[name])) as image:
             image.load()
             assert image.format == "PNG" and image.width > 200 and image.height > 200
 
+    ax = plots["loss_curves.png"].axes[0]
+    assert _lines(ax) == [("stage_1gpu", [1, 2, 3], [2.0, 1.2, 0.9]), ("stage_2gpu", [1, 2], [2.1, 1.0])]
+    assert (ax.get_title(), ax.get_xlabel(), ax.get_ylabel()) == ("Training loss per stage", "step", "training loss")
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["stage_1gpu", "stage_2gpu"]
+    assert _pixels_of(pngs["loss_curves.png"], "C0") > 200 and _pixels_of(pngs["loss_curves.png"], "C1") > 200
+    assert _pixels_of(pngs["loss_curves.png"], "C2") == 0  # two stages, two colours
 
-def test_plots_without_stages_still_render():
-    plots = build_plots({"ranking": {"models": {}}, "scaling": None}, {})
-    for fig in plots.values():
-        with Image.open(io.BytesIO(figure_png(fig))) as image:
+    ax = plots["learning_rates.png"].axes[0]
+    assert _lines(ax) == [("stage_1gpu", [1, 2, 3], [1e-4, 5e-5, 0.0])]
+    assert _pixels_of(pngs["learning_rates.png"], "C0") > 200 and _pixels_of(pngs["learning_rates.png"], "C1") == 0
+
+    ax = plots["metric_bars.png"].axes[0]
+    overall = {m: [models[m]["overall"][k] for k in METRIC_NAMES] for m in models}
+    assert _bars(ax) == overall  # the document's floats, as they are
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["MRR@10", "NDCG@10", "Recall@1", "Recall@5",
+                                                            "Recall@10", "MAP"]
+    assert [t.get_text() for t in ax.texts] == [f"{v:.2f}" for m in models for v in overall[m]]  # bar labels
+    per_unit = [_pixels_of(pngs["metric_bars.png"], f"C{i}") / sum(overall[m]) for i, m in enumerate(models)]
+    assert min(per_unit) > 1000 and max(per_unit) / min(per_unit) < 1.03, per_unit
+
+    ax = plots["task_type_bars.png"].axes[0]
+    by_task = {m: [models[m]["by_task_type"][t]["mrr_at_10"] for t in ("i2i", "t2i", "t2t")] for m in models}
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["i2i", "t2i", "t2t"]
+    assert _bars(ax) == by_task and ax.get_title() == "MRR@10 by task type"
+    per_unit = [_pixels_of(pngs["task_type_bars.png"], f"C{i}") / sum(by_task[m]) for i, m in enumerate(models)]
+    assert min(per_unit) > 1000 and max(per_unit) / min(per_unit) < 1.03, per_unit
+
+    throughput, efficiency = plots["scaling.png"].axes
+    assert _lines(throughput) == [("measured (GPUs)", [1, 2], [10.0, 18.0]), ("linear (GPUs)", [1, 2], [10.0, 20.0])]
+    rows = doc["scaling"]["rows"]
+    assert [bar.get_height() for bar in efficiency.patches] == pytest.approx(
+        [100 * r["scaling_efficiency"] for r in rows]) == [100.0, 90.0]
+    assert [t.get_text() for t in efficiency.get_xticklabels()] == ["1 GPU\nstage_1gpu", "2 GPUs\nstage_2gpu"]
+    assert _pixels_of(pngs["scaling.png"], "C0") > 1000 and _pixels_of(pngs["scaling.png"], "C1") > 100
+
+
+def test_plots_without_stages_say_so_and_still_show_the_ranking(document):
+    """No stage and no model: every plot renders and says what is missing, with no series drawn. Models evaluated
+    but no stage trained (the base model alone): the ranking plots show it, the training plots say none ran."""
+    nothing = build_plots({"ranking": {"models": {}}, "scaling": None}, {})
+    assert {name: [t.get_text() for ax in fig.axes for t in ax.texts] for name, fig in nothing.items()} == {
+        "loss_curves.png": ["no training losses recorded"], "learning_rates.png": ["no learning rates recorded"],
+        "metric_bars.png": ["no models were evaluated"], "task_type_bars.png": ["no task types in the test data"]}
+    for name, fig in nothing.items():
+        png = figure_png(fig)
+        with Image.open(io.BytesIO(png)) as image:
             assert image.format == "PNG"
+            grey = np.asarray(image.convert("L"))
+        assert (grey < 128).sum() > 100, name  # the message is drawn: not a blank image
+        assert not any(ax.get_lines() or ax.patches for ax in fig.axes), name
+        assert all(_pixels_of(png, f"C{i}") == 0 for i in range(3)), name
+
+    doc, _ = document
+    base = doc["ranking"]["models"]["base"]
+    plots = build_plots({"ranking": {**doc["ranking"], "models": {"base": base}}, "scaling": None}, {})
+    assert set(plots) == set(PLOT_FILES) - {"scaling.png"}
+    assert [t.get_text() for t in plots["loss_curves.png"].axes[0].texts] == ["no training losses recorded"]
+    assert _bars(plots["metric_bars.png"].axes[0]) == {"base": [base["overall"][k] for k in METRIC_NAMES]}
+    assert _pixels_of(figure_png(plots["metric_bars.png"]), "C0") > 1000
 
 
 def test_mlflow_metrics_are_flat_and_named(document):

@@ -51,19 +51,45 @@ def test_no_unsafe_deserialisation_in_the_package():
 
 
 class Payload:
+    """A pickled object whose unpickling would create `marker` (it stands for any code a pickle can run)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
     def __reduce__(self):
-        return (os.system, ("echo pwned",))
+        return (os.makedirs, (str(self.marker),))
 
 
-def test_checkpoint_loader_refuses_pickled_objects(tmp_path):
-    """Accelerate's loader (used by load_state for optimizer / scheduler / RNG files) is tensors-only."""
-    from accelerate.utils.other import load
+def test_a_resumed_stage_refuses_a_pickled_object_in_its_checkpoint(tmp_path, reliability_table, no_fault_env):
+    """The project's resume path (training/checkpoints.find_resumable, then Accelerate's load_state with
+    weights_only) on a checkpoint whose optimizer state was swapped for a pickled object and its manifest rewritten
+    to match, as someone who can write the run folder would: the checksums pass, the loader refuses the object and
+    the stage fails before training; the object's code never runs. Two launches."""
+    from reliability_helpers import stage_plan
 
-    torch.save({"state": torch.zeros(2)}, tmp_path / "optimizer.bin")
-    assert torch.equal(load(tmp_path / "optimizer.bin")["state"], torch.zeros(2))
-    torch.save({"evil": Payload()}, tmp_path / "evil.bin")
-    with pytest.raises(Exception, match="Weights only load failed|Unsupported global"):
-        load(tmp_path / "evil.bin")
+    from lychee_pipeline.pipelines.training.nodes import run_training_stage
+    from lychee_pipeline.training import checkpoints
+    from lychee_pipeline.training.launch import StageFailed
+
+    plan = stage_plan(tmp_path, max_steps=3, checkpoint_every=1)
+    stage_dir = Path(plan["run_dir"]) / "stage_1cpu_final"
+    no_fault_env.setenv("LYCHEE_FAULT", "during_checkpoint_2")  # killed while writing checkpoint 2: 1 is published
+    with pytest.raises(StageFailed, match="exited with code"):
+        run_training_stage(reliability_table, plan, devices=1, final=True)
+    checkpoint = stage_dir / "checkpoints" / "checkpoint-1"
+    marker = tmp_path / "the_pickle_ran"
+    torch.save({"state": Payload(marker), "param_groups": []}, checkpoint / "optimizer.bin")
+    manifest = json.loads((checkpoint / checkpoints.MANIFEST).read_text())
+    (checkpoint / checkpoints.MANIFEST).write_text(json.dumps({**manifest, "files": checkpoints.file_digests(checkpoint)}))
+    assert checkpoints.find_resumable(checkpoint.parent)[0] == checkpoint  # the checksums are no defence here
+
+    no_fault_env.delenv("LYCHEE_FAULT")
+    with pytest.raises(StageFailed, match="exited with code"):
+        run_training_stage(reliability_table, stage_plan(tmp_path, max_steps=3, checkpoint_every=1, resume=True),
+                           devices=1, final=True)
+    log = (stage_dir / "launch.log").read_text()
+    assert "Weights only load failed" in log and "makedirs" in log, log[-3000:]
+    assert not marker.exists()
 
 
 def test_symlink_escaping_the_image_roots_is_refused(tmp_path):

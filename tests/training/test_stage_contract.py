@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -64,9 +65,43 @@ def test_an_undeclared_result_field_is_refused():
         StageResult.model_validate({**make_result().model_dump(), "relaunched": True})
 
 
-def test_a_machine_share_is_its_own_outcome():
-    share = stage_outcome({"stage": "s", "machine_rank": 1, "num_machines": 2, "result_on_machine_rank_0": True})
-    assert isinstance(share, MachineShare)
+def test_a_machine_share_is_its_own_outcome(caplog):
+    """What a multi-node stage returns on machine rank > 0 (the dict launch.run_stage builds there): machine rank 0
+    holds the StageResult, so the share carries no figures. The gate passes it on without the checks that need
+    figures (and says so); evaluation and the report refuse it, naming the machine rank."""
+    from lychee_pipeline.training.config import GateParams
+    from lychee_pipeline.training.gate import StageGateError, check_stage
+
+    launched = {"stage": "stage_4gpu_final", "machine_rank": 1, "num_machines": 2, "result_on_machine_rank_0": True,
+                "progress": "rank 2: step 4 (step)"}
+    share = stage_outcome(launched)
+    assert isinstance(share, MachineShare) and not isinstance(share, StageResult)
+    assert (share.stage, share.machine_rank, share.num_machines, share.progress) == (
+        "stage_4gpu_final", 1, 2, "rank 2: step 4 (step)")
+    assert (share.final, share.reused) == (False, False)
+    assert stage_outcome(share.model_dump()) == share  # the slot's JSON dataset gives the same share back
+
+    # The gate: a result without a loss fails 'finite loss'; the share has none and is passed on as it is.
+    with pytest.raises(StageGateError, match="gate 'finite loss' failed for stage_4gpu_final"):
+        check_stage(make_result(stage="stage_4gpu_final", losses=[]), GateParams())
+    with caplog.at_level(logging.INFO, logger="lychee_pipeline.training.gate"):
+        assert check_stage(share, GateParams()) is share
+    assert ("stage stage_4gpu_final: machine rank 1 trained its part; the gate runs on machine rank 0"
+            in caplog.messages)
+
+    # Evaluation and the report take StageResults only.
+    with pytest.raises(ValueError, match=r"^stage result 'stage_4gpu_final' is machine rank 1's share; "
+                                         r"machine rank 0 holds the StageResult$"):
+        as_stage_results([make_result(stage="stage_2cpu"), launched])
+
+    # The flag decides what the dict is: without it, the same fields are an incomplete StageResult (refused);
+    # a share that says its result is elsewhere only with True, and declares every field.
+    with pytest.raises(ValidationError, match="adapter_dir"):
+        stage_outcome({k: v for k, v in launched.items() if k != "result_on_machine_rank_0"})
+    with pytest.raises(ValidationError, match="result_on_machine_rank_0"):
+        MachineShare.model_validate({**launched, "result_on_machine_rank_0": False})
+    with pytest.raises(ValidationError, match="losses"):
+        stage_outcome({**launched, "losses": [[1, 0.5]]})
 
 
 def test_stage_results_are_typed_at_the_boundary_with_a_one_line_error():
