@@ -8,12 +8,6 @@ from pathlib import Path
 PIPELINES = Path(__file__).resolve().parents[1] / "src" / "lychee_pipeline" / "pipelines"
 PREFIX = "lychee_pipeline.pipelines."
 
-# The registry node still scores the champion with the evaluation node's functions (BASE, candidate_table,
-# score_candidates); the runtime branch of issue 30 moves them into lychee_pipeline/evaluation/. The lead
-# removes this allowance when merging that branch, and then the set stays empty.
-KNOWN_UNTIL_MERGE = {("registry", "evaluation")}
-
-
 def _imported_pipelines(path: Path, own: str) -> set[str]:
     """The other pipelines a module imports (absolute `lychee_pipeline.pipelines.X` or relative `..X`)."""
     found = set()
@@ -41,7 +35,7 @@ def pipeline_imports() -> set[tuple[str, str]]:
 
 
 def test_no_pipeline_imports_another_pipeline():
-    assert pipeline_imports() - KNOWN_UNTIL_MERGE == set()
+    assert pipeline_imports() == set()
 
 
 def test_the_walk_sees_an_import_between_pipelines(tmp_path):
