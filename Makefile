@@ -9,7 +9,7 @@ export MLFLOW_DISABLE_TELEMETRY=1
 export DO_NOT_TRACK=1
 export TOKENIZERS_PARALLELISM=false
 
-.PHONY: install lock audit smoke full test viz mlflow-ui benchmark-data clean
+.PHONY: install lock audit smoke full test test-fast viz mlflow-ui benchmark-data clean
 
 install: $(VENV)/.installed
 
@@ -42,6 +42,11 @@ full: install
 
 test: install
 	$(BIN)/python -m pytest
+
+# The inner loop: every test that starts no project run, stage, server or child process (tests/conftest.py says
+# which those are); under 2 minutes on a 2-core machine. `make test` (CI) runs everything.
+test-fast: install
+	$(BIN)/python -m pytest -m "not slow"
 
 viz: install
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/kedro viz run --host 127.0.0.1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import types
 import unicodedata
 from pathlib import Path
 from typing import Any
@@ -148,3 +149,108 @@ def _no_mlflow_run_left_active():
         mlflow = sys.modules["mlflow"]
         while mlflow.active_run() is not None:
             mlflow.end_run()
+
+
+# --------------------------------------------------------------------------- the `slow` marker
+# `make test-fast` (`pytest -m "not slow"`) is the inner loop; `make test` (CI) runs everything. The rule, applied
+# here so that no test file carries it: a test is `slow` when it USES something that starts a Kedro project run,
+# an `accelerate launch` stage, a server, a notebook kernel or a Python child process (a CLI, a driver script):
+#   1. a fixture of SLOW_FIXTURES (directly, or through the fixtures it uses: pytest resolves the closure);
+#   2. a name of PROCESS_STARTERS in its code, or in the code of its own module's helpers that it calls;
+#   3. a module of END_TO_END_MODULES, whose tests start such things through helpers the rule cannot see.
+# A new fixture or helper that starts a project, a stage or a server belongs in one of these lists.
+
+SLOW_FIXTURES = {
+    "smoke_run",                  # `kedro run --pipelines smoke` in a project copy (tests/conftest.py)
+    "data_project",               # `kedro run --pipeline data` in a project copy (tests/user_tools)
+    "mlflow_server",              # `mlflow server` (tests/user_tools)
+    "uninterrupted_reference",    # stage runs shared by the training tests (tests/training/conftest.py)
+    "two_process_epoch",
+    "two_process_accumulation",
+    "trained_stage",              # a 1-process stage (tests/training/test_processing_travels.py)
+    "crashed_then_resumed",       # two stage launches (tests/reliability/test_stage_faults.py)
+    "champion_project",           # the registry node scoring in a project copy (tests/ship)
+    "served_champion",            # `mlflow models serve` (tests/ship/test_serving.py)
+}
+PROCESS_STARTERS = {
+    "run_training_stage", "run_stage_slot", "run_stage",  # an `accelerate launch` stage
+    "run_kedro", "kedro_run", "kedro",        # a Kedro project run (in process or through the CLI)
+    "KedroSession",
+    "NotebookClient",                         # a notebook kernel
+    "executable",                             # sys.executable: a Python child process
+}
+END_TO_END_MODULES = {
+    "test_readme.py",             # runs the README's shell blocks (make smoke, kedro run, ...)
+    "test_training_pipeline.py",  # Kedro's runner on the training pipeline: real stages
+    "test_scaled_scoring.py",     # evaluation scoring launched on 2 CPU processes
+}
+
+
+def _names_used(function: types.FunctionType, module: types.ModuleType, seen: set[str]) -> set[str]:
+    """The global and attribute names `function`'s code refers to (nested functions included), followed into the
+    functions of the test's own module that it calls."""
+    names: set[str] = set()
+    codes = [function.__code__]
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    for name in names - seen:
+        helper = getattr(module, name, None)
+        if isinstance(helper, types.FunctionType) and helper.__module__ == module.__name__:
+            seen.add(name)
+            names |= _names_used(helper, module, seen)
+    return names
+
+
+def is_slow(item: pytest.Item) -> bool:
+    if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    if item.path.name in END_TO_END_MODULES:
+        return True
+    function, module = getattr(item, "function", None), getattr(item, "module", None)
+    return function is not None and module is not None and bool(
+        PROCESS_STARTERS & _names_used(function, module, {function.__name__}))
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection, which then sees the marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if is_slow(item):
+            item.add_marker(pytest.mark.slow)
+    # A -m on the command line replaces pyproject's `-m 'not online'`: `pytest -m "not slow"` must still leave the
+    # online tests out. They run only when the expression names them (`pytest -m online`, as `make audit` does).
+    if "online" not in (config.option.markexpr or ""):
+        online = [item for item in items if item.get_closest_marker("online")]
+        if online:
+            config.hook.pytest_deselected(items=online)
+            items[:] = [item for item in items if not item.get_closest_marker("online")]
+
+
+@pytest.fixture(autouse=True)
+def _the_fast_tier_starts_no_python_process(request, monkeypatch):
+    """In a run that leaves the slow tests out (`make test-fast`), a test the rule above calls fast but that starts
+    a Python module or script in a child process (`accelerate launch`, `kedro`, `mlflow`, a script) fails, naming
+    what it started: the rule has missed a fixture or helper (one renamed by a refactor, say), and the fast tier
+    would silently grow slow. A `python -c` snippet (a process that only sleeps, say) is let through. A full run
+    (`make test`) is not watched."""
+    if "not slow" not in (request.config.option.markexpr or "") or request.node.get_closest_marker("slow"):
+        yield
+        return
+    import subprocess
+    import sys
+
+    started: list[str] = []
+    original = subprocess.Popen.__init__
+
+    def watched(self, args, *rest, **kwargs):
+        command = [str(a) for a in args] if isinstance(args, (list, tuple)) else [str(args)]
+        if command and command[0] == sys.executable and command[1:2] != ["-c"]:
+            started.append(" ".join(command)[:200])
+        original(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", watched)
+    yield
+    if started:
+        pytest.fail(f"{request.node.nodeid} is in the fast tier but started {started[0]!r}: add the fixture or "
+                    "helper that starts it to SLOW_FIXTURES / PROCESS_STARTERS in tests/conftest.py", pytrace=False)
