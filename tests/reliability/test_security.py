@@ -67,12 +67,12 @@ def test_a_resumed_stage_refuses_a_pickled_object_in_its_checkpoint(tmp_path, re
     the stage fails before training; the object's code never runs. Two launches."""
     from reliability_helpers import stage_plan
 
-    from lychee_pipeline.pipelines.training.nodes import run_training_stage
+    from lychee_pipeline.runtime.launcher import StageFailed
     from lychee_pipeline.training import checkpoints
-    from lychee_pipeline.training.launch import StageFailed
+    from lychee_pipeline.training.planning import run_training_stage
 
     plan = stage_plan(tmp_path, max_steps=3, checkpoint_every=1)
-    stage_dir = Path(plan["run_dir"]) / "stage_1cpu_final"
+    stage_dir = Path(plan.run_dir) / "stage_1cpu_final"
     no_fault_env.setenv("LYCHEE_FAULT", "during_checkpoint_2")  # killed while writing checkpoint 2: 1 is published
     with pytest.raises(StageFailed, match="exited with code"):
         run_training_stage(reliability_table, plan, devices=1, final=True)
