@@ -97,7 +97,7 @@ class StageProgress:
         self.every_percent = every_percent or _env_float("LYCHEE_PROGRESS_EVERY_PERCENT", DEFAULT_EVERY_PERCENT)
         self.every_s = every_s or _env_float("LYCHEE_PROGRESS_EVERY_S", DEFAULT_EVERY_S)
         self.tasks: dict[str | None, TaskProgress] = {}
-        self.loss: float | None = None  # the last loss a rank logged (launch.py reads it from the relayed lines)
+        self.loss: float | None = None  # the last loss a rank logged (runtime/launcher.py reads it from the relayed lines)
         self._bars = None
         self.closed = False
 

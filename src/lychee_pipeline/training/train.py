@@ -178,7 +178,7 @@ def run(spec: StageSpec) -> StageResult | None:
             if checkpoint_due and step_log.nonfinite_in_a_row == 0:
                 save_checkpoint(accelerator, checkpoint_root, step, step_log.checkpoint_state(step), train.keep_last)
             with step_log.timing.heartbeat():
-                beat(step, "step", total=total_steps)  # also the launcher's progress bar (training/progress.py)
+                beat(step, "step", total=total_steps)  # also the launcher's progress bar (runtime/progress.py)
             faults.fault_point(f"after_step_{step}")
             if step >= total_steps:
                 break
