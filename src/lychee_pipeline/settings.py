@@ -31,7 +31,12 @@ from lychee_pipeline.hooks import (  # noqa: E402
     ParameterCheckHooks,
     ParamsCheckHooks,
     ProjectRootHooks,
+    RefusalHooks,
     RunOutcomeHooks,
 )
+from lychee_pipeline.model_source import ModelSourceHooks  # noqa: E402
 
-HOOKS = (ProjectRootHooks(), MlflowStoreHooks(), ParameterCheckHooks(), ParamsCheckHooks(), RunOutcomeHooks())
+# ModelSourceHooks before ParameterCheckHooks: pluggy calls the later one of two tryfirst hooks first, so the
+# parameters are checked before the model is looked for
+HOOKS = (ProjectRootHooks(), MlflowStoreHooks(), ModelSourceHooks(), ParameterCheckHooks(), ParamsCheckHooks(),
+         RunOutcomeHooks(), RefusalHooks())
