@@ -201,7 +201,10 @@ class MlflowStoreHooks:
         if old:
             log.info("the MLflow store was copied from %s: its artifact locations now point into %s/mlruns",
                      old, Path(context.project_path).resolve())
-        try:  # MLflow 3's UI opens an experiment of unknown kind in its GenAI view: this one holds training runs
+        # Earlier MLflow 3 UIs read this tag to open an experiment on its training runs instead of its GenAI
+        # view; 3.17's UI reads the address's `workflowType` parameter (or a browser setting, "genai" at first)
+        # instead: the README's address carries `workflowType=machine_learning`. The tag stays for the others.
+        try:
             client = mlflow.MlflowClient()
             found = client.get_experiment_by_name(experiment)
             if found is not None and found.tags.get(EXPERIMENT_KIND_TAG) is None:
