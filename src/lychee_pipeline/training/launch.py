@@ -531,8 +531,10 @@ def _run_stage(
             reader.join(timeout=5)
             reason = interrupt_reason(exc) if interrupted else f"{type(exc).__name__}: {exc}"
             end_stage_runs(tracking_env, "KILLED" if interrupted else "FAILED", reason)
-            log.warning("stage %s: stopped; its folder %s is left for a resume (training.resume: true)",
-                        spec["stage"], stage_dir)
+            # only a training stage resumes (from its checkpoints); other launches (the sharded scoring) start over
+            log.warning("stage %s: stopped; its folder %s is left %s", spec["stage"], stage_dir,
+                        "for a resume (training.resume: true)" if module == "lychee_pipeline.training.train" else
+                        "as it is (launch.log says how far it got); the next run starts this work again")
             raise
         finally:
             atexit.unregister(safety_net)
