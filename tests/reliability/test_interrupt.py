@@ -218,7 +218,10 @@ def test_a_parameter_error_creates_no_mlflow_run(tmp_path):
     assert proc.wait(timeout=240) != 0
     text = out.read_text()
     flat = " ".join(text.split())  # rich wraps the console's lines
-    assert "ParameterError: invalid parameter training.learning_rate: Input should be greater than 0" in flat, text[-3000:]
+    # the one line on the terminal, the traceback (with the exception's type) in the log file (issue 32, item 4)
+    assert "Error: invalid parameter training.learning_rate: Input should be greater than 0" in flat, text[-3000:]
+    assert "ParameterError: invalid parameter training.learning_rate: Input should be greater than 0" in " ".join(
+        (root / "info.log").read_text().split())
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
