@@ -29,6 +29,7 @@ from typing import Any
 
 import pandas as pd
 
+from lychee_pipeline.errors import InvalidParameter
 from lychee_pipeline.evaluation.metrics import paired_comparison, per_query_metrics
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def describe_model_uri(uri: str) -> dict[str, Any]:
         # (INVALID_PARAMETER_VALUE); anything else (an unreachable server, no permission) is raised as it is
         if exc.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE") or "'" in name:
             raise
-        raise ValueError(_unknown_model_version(client, uri, name, wanted)) from exc
+        raise InvalidParameter(_unknown_model_version(client, uri, name, wanted)) from exc
     return {"model_name": name, "model_version": int(version.version), "model_alias": alias,
             "model_run_id": version.run_id}
 

@@ -138,3 +138,14 @@ def test_a_bug_keeps_its_traceback(project):
     text = "\n".join(lines)
     assert code != 0 and "Traceback" in text and "ZeroDivisionError" in text, text
     assert not [x for x in lines if x.startswith("Error: ")], text
+
+
+def test_a_registered_model_that_is_not_there_is_one_line(project, tmp_path):
+    """The README's batch rerank before any `full` run registered a model: the versions there are, in one line."""
+    candidates = tmp_path / "candidates.jsonl"
+    candidates.write_text(json.dumps({"query": {"text": "red dress"},
+                                      "docs": [{"doc_id": "a", "text": "a red dress"}]}) + "\n")
+    code, lines, _ = _kedro(project, "--pipelines", "rerank", "--params",
+                            f"rerank.input={candidates},rerank.model=models:/never-registered@champion")
+    _assert_refused_in_one_line(code, lines, project, "models:/never-registered@champion: no registered model "
+                                                      "'never-registered' in sqlite:///")
