@@ -149,3 +149,16 @@ def test_a_registered_model_that_is_not_there_is_one_line(project, tmp_path):
                             f"rerank.input={candidates},rerank.model=models:/never-registered@champion")
     _assert_refused_in_one_line(code, lines, project, "models:/never-registered@champion: no registered model "
                                                       "'never-registered' in sqlite:///")
+
+
+def test_a_parameter_error_of_any_node_is_a_refusal():
+    """The typed parameters' one-line error (evaluation, registry, training) is refused input wherever it is raised
+    (the plan's ValueErrors are wrapped by the parameter check before the run instead)."""
+    from lychee_pipeline.errors import UserInputError, refusal_in
+    from lychee_pipeline.evaluation.params import evaluation_params
+
+    with pytest.raises(ValueError) as error:
+        evaluation_params({"seed": "abc"})
+    assert isinstance(error.value, UserInputError) and refusal_in(RuntimeError("node failed")) is None
+    assert str(error.value).startswith("invalid parameter evaluation.seed: ")
+

@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 import yaml
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
+from lychee_pipeline.errors import UserInputError
 from lychee_pipeline.reranker.model import ModelConfig
 from lychee_pipeline.training import checkpoints
 from lychee_pipeline.training.config import StageParams, TrainingParams
@@ -54,10 +55,11 @@ def stage_devices(gpus: int) -> list[int]:
     return ladder + [gpus]
 
 
-class ParameterError(ValidationError):
+class ParameterError(ValidationError, UserInputError):
     """A bad parameter, in one line naming it (`invalid parameter training.learning_rate: ...`).
 
-    A pydantic ValidationError (and so a ValueError) whose message is one line instead of pydantic's block.
+    A pydantic ValidationError (and so a ValueError) whose message is one line instead of pydantic's block; a
+    refusal of the user's input (`lychee_pipeline.errors`): wherever a node raises it, the run ends in that line.
     """
 
     def __str__(self) -> str:
