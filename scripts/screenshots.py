@@ -270,7 +270,8 @@ def click(browser: Browser, label: str) -> bool:
 
 def mlflow_training_runs(browser: Browser, base: str, experiment_id: str, out: Path) -> Path:
     """The experiment's runs in MLflow's model-training view, the parent run expanded to its stage runs."""
-    browser.open(f"{base}/#/experiments/{experiment_id}/runs", 1)
+    # the README's address: MLflow 3.17 takes the view (training or GenAI) from workflowType
+    browser.open(f"{base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning", 1)
     browser.wait_for("document.body.innerText.includes('matching runs')", what="the runs table")
     click(browser, "Close")  # the assistant panel MLflow 3 opens on the first visit
     click(browser, "Model training")  # the side bar's training view (Runs, Models, Traces)

@@ -126,9 +126,18 @@ def test_full_pipeline_runs_stages_1_then_2_processes(tmp_path):
     version = client.get_model_version("lychee-reranker", "1")
     assert version.run_id == parents[0].info.run_id and version.tags["stage"] == "stage_2cpu_final"
     metrics = json.loads((root / "data/08_reporting/evaluation_mlflow_metrics.json").read_text())
-    assert float(version.tags["metric.test.mrr_at_10.finetuned"]) == pytest.approx(metrics["test.mrr_at_10.finetuned"])
-    assert version.tags["data.lines_in"] == "2400" and version.tags["processing.training.max_pixels"] == "12544"
-    assert version.tags["gate.reason"] == outcome["reason"] and outcome["reason"].startswith(
+    # the registry page's handful of tags; the run's figures and settings are in the outcome and the report
+    from lychee_pipeline.training.checkpoints import sha256_file
+
+    assert len(version.tags) <= 8 and version.tags["base_model"] == "builtin:tiny", version.tags
+    assert version.tags["family"] == "qwen2_5_vl" and version.tags["gate.decision"] in ("champion", "not promoted")
+    tables = {sha256_file(p) for p in (root / "data/06_models/runs").rglob("train.parquet")}
+    assert version.tags["data.train_sha256"] in tables, (version.tags, tables)
+    assert float(version.tags["test.mrr_at_10"]) == pytest.approx(metrics["test.mrr_at_10.finetuned"], abs=1e-4)
+    details = outcome["details"]
+    assert float(details["metric.test.mrr_at_10.finetuned"]) == pytest.approx(metrics["test.mrr_at_10.finetuned"])
+    assert details["data.lines_in"] == "2400" and details["processing.training.max_pixels"] == "12544"
+    assert version.description.startswith(outcome["reason"]) and outcome["reason"].startswith(
         "promoted: beats the base model" if outcome["promoted"] else "not promoted: does not beat the base model")
     assert ("champion" in version.aliases) == outcome["promoted"]
     summary = json.loads((root / "data/08_reporting/run_summary.json").read_text())

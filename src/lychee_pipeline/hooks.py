@@ -28,6 +28,8 @@ from typing import Any
 
 from kedro.framework.hooks import hook_impl
 
+from lychee_pipeline.runtime.errors import InvalidParameter, UserInputError, install_refusal_report
+
 log = logging.getLogger(__name__)
 
 PLAIN_LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
@@ -48,6 +50,7 @@ class ProjectRootHooks:
         plain_console_log_when_not_a_terminal()
         drop_runner_echoes()
         quiet_child_output()
+        install_refusal_report()  # after the logging set-up above, which installs Rich's exception hook
         if left is not None:
             log.info("started in %s: working in the project root %s (every relative path is relative to it)",
                      left, root)
@@ -199,7 +202,10 @@ class MlflowStoreHooks:
         if old:
             log.info("the MLflow store was copied from %s: its artifact locations now point into %s/mlruns",
                      old, Path(context.project_path).resolve())
-        try:  # MLflow 3's UI opens an experiment of unknown kind in its GenAI view: this one holds training runs
+        # Earlier MLflow 3 UIs read this tag to open an experiment on its training runs instead of its GenAI
+        # view; 3.17's UI reads the address's `workflowType` parameter (or a browser setting, "genai" at first)
+        # instead: the README's address carries `workflowType=machine_learning`. The tag stays for the others.
+        try:
             client = mlflow.MlflowClient()
             found = client.get_experiment_by_name(experiment)
             if found is not None and found.tags.get(EXPERIMENT_KIND_TAG) is None:
@@ -245,10 +251,10 @@ def check_typed_blocks(inputs: set[str], load) -> None:
         except ValueError as error:
             errors.append(str(error))
     if errors:
-        raise ValueError("\n".join(errors))
+        raise InvalidParameter("\n".join(errors))
 
 
-class ParamsCheckHooks:
+class TypedBlocksHooks:
     """The typed parameter blocks the chosen pipeline reads are validated before the run opens (a bad key
     fails in one line); `--params` keys it does not read are named in a warning, with the key it does read."""
 
@@ -412,5 +418,53 @@ class ParameterCheckHooks:
             quiet.setLevel(logging.WARNING)
             try:
                 node.func(*(catalog.load(name) for name in node.inputs))
+            except ValueError as error:  # pydantic's ValidationError is one: every refusal of the plan
+                if isinstance(error, UserInputError):
+                    raise
+                raise InvalidParameter(str(error)) from error
             finally:
                 quiet.setLevel(level)
+
+
+class RefusalEchoFilter(logging.Filter):
+    """After a node refused the user's input (`lychee_pipeline.runtime.errors.UserInputError`), the log leaves out
+    Kedro's advice to resume with `--from-nodes` (the fix is new input and a new run, not a resume) and
+    kedro-mlflow's repeats of "The run ... was closed because of an error" (one per entry of MLflow's run stack,
+    the same run each time): the refusal's own line stays the last one on the terminal."""
+
+    RESUME = re.compile(r"^(There are \d+ nodes that have not run|No nodes ran)")
+    CLOSED = "was closed because of an error"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused = False
+        self._closed: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if self.CLOSED in message:
+            if message in self._closed:
+                return False
+            self._closed.add(message)
+            return True
+        return not (self.refused and self.RESUME.match(message))
+
+
+REFUSAL_ECHO_FILTER = RefusalEchoFilter()
+
+
+class RefusalHooks:
+    """Notes a node's refusal of the user's input for `RefusalEchoFilter` (the runner logs its advice after)."""
+
+    @hook_impl
+    def after_context_created(self, context) -> None:
+        REFUSAL_ECHO_FILTER.refused = False  # a new session (a notebook or a test may run several)
+        for name in ("kedro.runner.sequential_runner", "kedro_mlflow.framework.hooks.mlflow_hook"):
+            if REFUSAL_ECHO_FILTER not in logging.getLogger(name).filters:
+                logging.getLogger(name).addFilter(REFUSAL_ECHO_FILTER)
+
+    @hook_impl
+    def on_node_error(self, error, node, catalog, inputs, is_async, run_id) -> None:
+        from lychee_pipeline.runtime.errors import refusal_in
+
+        REFUSAL_ECHO_FILTER.refused = refusal_in(error) is not None

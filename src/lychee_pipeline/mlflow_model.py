@@ -41,6 +41,24 @@ class ImagePathError(ValueError):
     """A request's image path lies outside the configured image roots, or no root is configured."""
 
 
+class RequestRefused(mlflow.exceptions.MlflowException):
+    """An HTTP 400 of `mlflow models serve` whose message stays the refusal's one line.
+
+    MLflow's scoring server rewrites the message of an MlflowException raised by `predict` into
+    "Failed to predict data '<the whole request as a DataFrame>'. Error: <message>" (by assigning `.message`),
+    so a client got a dump of its own request around the line; here the first message set is kept.
+    """
+
+    @property
+    def message(self) -> str:
+        return self._line
+
+    @message.setter
+    def message(self, value: str) -> None:
+        if not hasattr(self, "_line"):
+            self._line = value
+
+
 def _clean(value: Any) -> Any:
     if value is None or (isinstance(value, float) and pd.isna(value)):
         return None
@@ -116,13 +134,12 @@ class RerankerModel(mlflow.pyfunc.PythonModel):
         self.image_roots = image_roots_from(self.config)
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> list[float]:
-        from mlflow.exceptions import MlflowException
         from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
         try:
             pairs = pairs_from_frame(model_input, self.image_roots)
         except ValueError as exc:  # served as HTTP 400 with this message
-            raise MlflowException(str(exc), error_code=INVALID_PARAMETER_VALUE) from None
+            raise RequestRefused(str(exc), error_code=INVALID_PARAMETER_VALUE) from None
         # An optional `task_type` column scores a pair under its record's task type, as training did.
         task_types = [_item(t, None)["text"] for t in model_input.get("task_type", pd.Series([None] * len(pairs)))]
         return self.reranker.score_pairs(pairs, task_types)

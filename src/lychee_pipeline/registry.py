@@ -10,8 +10,14 @@ with the run's metrics, data counts and processing settings as version tags. It 
 - "beats" means: mean per-query difference of ``gate.metric`` above ``gate.min_improvement`` and the
   two-sided paired randomisation p-value below ``gate.alpha``.
 
-Otherwise the version is registered with the reason as the tag ``gate.reason`` and the champion stays.
+Otherwise the version is registered with the reason as its description and the champion stays.
 Rolling back is moving the alias: ``MlflowClient().set_registered_model_alias(name, "champion", version)``.
+
+A version carries a handful of tags, the ones a person filters the registry page by (:data:`VERSION_TAGS`):
+base model, family, fine-tuning mode, training data hash, stage, run, the gate's verdict and its headline
+metric. Everything else the run had (its metrics, data counts, processing settings and the gate's figures,
+:func:`run_details`) stays on the run and is listed in the registry report: with all of them as tags (about
+340), one version row filled the registry page.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import pandas as pd
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from lychee_pipeline.data.images import parse_image_roots
+from lychee_pipeline.runtime.errors import InvalidParameter
 from lychee_pipeline.evaluation.metrics import paired_comparison, per_query_metrics
 
 log = logging.getLogger(__name__)
@@ -132,7 +139,7 @@ def describe_model_uri(uri: str) -> dict[str, Any]:
         # (INVALID_PARAMETER_VALUE); anything else (an unreachable server, no permission) is raised as it is
         if exc.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE") or "'" in name:
             raise
-        raise ValueError(_unknown_model_version(client, uri, name, wanted)) from exc
+        raise InvalidParameter(_unknown_model_version(client, uri, name, wanted)) from exc
     return {"model_name": name, "model_version": int(version.version), "model_alias": alias,
             "model_run_id": version.run_id}
 
@@ -169,9 +176,15 @@ def compare(reference_scores: pd.DataFrame, new_scores: pd.DataFrame, *, seed: i
                              n_resamples=n_resamples, confidence_level=confidence_level, seed=seed)
 
 
-def version_tags(metrics: Mapping[str, Any], data_counts: Mapping[str, Any], processing: Mapping[str, Any],
-                 extra: Mapping[str, Any] | None = None) -> dict[str, str]:
-    """Flat string tags: ``metric.<name>``, ``data.<count>``, ``processing.<setting>`` and ``extra`` as given."""
+#: The tags of a registered version (besides ``gate.decision`` and ``test.<gate metric>``, added by the gate):
+#: what a person filters versions by. ``data.train_sha256`` is the training table's sha256.
+VERSION_TAGS = ("base_model", "family", "finetune", "data.train_sha256", "stage", "run_id")
+
+
+def run_details(metrics: Mapping[str, Any], data_counts: Mapping[str, Any], processing: Mapping[str, Any],
+                extra: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """Flat strings for the registry report: ``metric.<name>``, ``data.<count>``, ``processing.<setting>`` and
+    ``extra`` as given (the run holds the same figures as its metrics and parameters)."""
     tags: dict[str, str] = {}
     for key, value in metrics.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -206,6 +219,7 @@ def register_and_gate(
     base_scores: pd.DataFrame,
     score_reference: Callable[[str], pd.DataFrame],
     tags: Mapping[str, str],
+    details: Mapping[str, str] | None = None,
     gate: Mapping[str, Any] | None = None,
     alias: str = "champion",
     seed: int = 0,
@@ -218,7 +232,10 @@ def register_and_gate(
     ``score_reference(uri)`` scores the current champion (``models:/<name>/<version>``) on the same
     candidates as ``new_scores`` (the long scores table of the evaluation); with no champion the new
     model is compared with ``base_scores``. Uses the global MLflow tracking / registry URI.
-    Returns the outcome (what the run summary and the registry report show).
+    The version gets ``tags`` (those of :data:`VERSION_TAGS` only), the gate's verdict (``gate.decision``) and
+    its headline metric (``test.<gate metric>``: the new model's value); ``details`` and the gate's figures go
+    into the outcome's ``details`` for the report. Returns the outcome (what the run summary and the registry
+    report show).
     """
     import mlflow
 
@@ -252,10 +269,14 @@ def register_and_gate(
         "gate.p_value": row.get("p_value"), "gate.n_queries": row.get("n_queries"),
         "gate.test": row.get("test"),
     }
-    all_tags = {**dict(tags), **{k: str(v)[:TAG_LIMIT] for k, v in gate_tags.items() if v is not None}}
-    version = mlflow.register_model(model_uri, name, tags=all_tags)
-    if run_id:
-        client.update_model_version(name, version.version, description=f"{reason} (run {run_id})"[:TAG_LIMIT])
+    kept = {k: str(v)[:TAG_LIMIT] for k, v in tags.items() if k in VERSION_TAGS and v is not None}
+    kept["gate.decision"] = gate_tags["gate.decision"]
+    if row.get("finetuned") is not None:
+        kept[f"test.{gate['metric']}"] = _fmt(row["finetuned"])
+    version = mlflow.register_model(model_uri, name, tags=kept)
+    # the gate's reason, whole, where the version page shows it (the verdict alone is a tag)
+    client.update_model_version(name, version.version,
+                                description=(f"{reason} (run {run_id})" if run_id else reason)[:TAG_LIMIT])
     if promote:
         client.set_registered_model_alias(name, alias, version.version)
         if champion is not None:
@@ -274,6 +295,8 @@ def register_and_gate(
         "reason": reason,
         "gate": gate,
         "comparison": comparison,
+        "version_tags": kept,
+        "details": {**dict(details or {}), **{k: str(v)[:TAG_LIMIT] for k, v in gate_tags.items() if v is not None}},
     }
 
 
@@ -298,7 +321,23 @@ def render_report(outcome: Mapping[str, Any]) -> str:
         lines.append(f"| {metric} | {_fmt(row.get('base'))} | {_fmt(row.get('finetuned'))} | {_fmt(row.get('diff'))} "
                      f"| {_fmt(row.get('p_value'))} | [{_fmt(row.get('ci_low'))}, {_fmt(row.get('ci_high'))}] |")
     lines += ["", f"Roll back: `MlflowClient().set_registered_model_alias(\"{name}\", \"{alias}\", <version>)`.", ""]
+    if outcome.get("version_tags"):
+        lines += ["## The version's tags", "", "What the registry page shows and filters by:", "",
+                  "| tag | value |", "|---|---|"]
+        lines += [f"| `{k}` | {_cell(v)} |" for k, v in outcome["version_tags"].items()]
+        lines.append("")
+    if outcome.get("details"):
+        lines += ["## What the run had", "",
+                  "Its metrics, data counts, processing settings and the gate's figures (also on the run, not on "
+                  "the version):", "", "| name | value |", "|---|---|"]
+        lines += [f"| `{k}` | {_cell(v)} |" for k, v in sorted(outcome["details"].items())]
+        lines.append("")
     return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    """A value as one Markdown table cell."""
+    return " ".join(str(value).split()).replace("|", "\\|")
 
 
 def summary_line(outcome: Mapping[str, Any] | None) -> str:

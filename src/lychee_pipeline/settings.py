@@ -29,9 +29,14 @@ CONFIG_LOADER_ARGS = {
 from lychee_pipeline.hooks import (  # noqa: E402
     MlflowStoreHooks,
     ParameterCheckHooks,
-    ParamsCheckHooks,
+    TypedBlocksHooks,
     ProjectRootHooks,
+    RefusalHooks,
     RunOutcomeHooks,
 )
+from lychee_pipeline.model_source import ModelSourceHooks  # noqa: E402
 
-HOOKS = (ProjectRootHooks(), MlflowStoreHooks(), ParameterCheckHooks(), ParamsCheckHooks(), RunOutcomeHooks())
+# ModelSourceHooks before ParameterCheckHooks: pluggy calls the later one of two tryfirst hooks first, so the
+# parameters are checked before the model is looked for
+HOOKS = (ProjectRootHooks(), MlflowStoreHooks(), ModelSourceHooks(), ParameterCheckHooks(), TypedBlocksHooks(),
+         RunOutcomeHooks(), RefusalHooks())

@@ -218,7 +218,10 @@ def test_a_parameter_error_creates_no_mlflow_run(tmp_path):
     assert proc.wait(timeout=240) != 0
     text = out.read_text()
     flat = " ".join(text.split())  # rich wraps the console's lines
-    assert "ParameterError: invalid parameter training.learning_rate: Input should be greater than 0" in flat, text[-3000:]
+    # the one line on the terminal, the traceback (with the exception's type) in the log file (issue 32, item 4)
+    assert "Error: invalid parameter training.learning_rate: Input should be greater than 0" in flat, text[-3000:]
+    assert "ParameterError: invalid parameter training.learning_rate: Input should be greater than 0" in " ".join(
+        (root / "info.log").read_text().split())
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
@@ -226,3 +229,28 @@ def test_a_parameter_error_creates_no_mlflow_run(tmp_path):
     runs = client.search_runs([experiment.experiment_id]) if experiment else []
     assert runs == [], [(r.info.run_id, r.info.status) for r in runs]
     assert "has started" not in text  # kedro-mlflow never started a run
+
+
+def test_an_interrupted_scoring_launch_does_not_promise_a_resume(tmp_path, caplog):
+    """Ctrl-C during the evaluation's multi-process scoring: its work folder is not resumed by
+    `training.resume: true` (only training stages are), and the log says what is true instead."""
+    import threading
+
+    from lychee_pipeline.training.config import TrainingParams
+
+    work = tmp_path / "scoring"
+    launch_settings = TrainingParams().launch.model_copy(update={"mixed_precision": "no"}).model_dump()
+    spec = {"stage": "scoring", "output_dir": str(work), "jobs": [], "training": {"launch": launch_settings}}
+    # Ctrl-C as the terminal sends it, once the launcher runs (its Python start alone takes seconds)
+    timer = threading.Timer(1.5, signal.raise_signal, (signal.SIGINT,))
+    caplog.set_level("WARNING", logger="lychee_pipeline.training.launch")
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch.run_stage(work, spec, 1, "cpu", None, {}, module="lychee_pipeline.evaluation.score_shards")
+    finally:
+        timer.cancel()
+    assert f"stage scoring: stopped; its folder {work} is left as it is (launch.log says how far it got); the " \
+           "next run starts this work again" in caplog.text, caplog.text
+    assert "training.resume" not in caplog.text
+    assert not (work / LOCK_NAME).exists()

@@ -113,6 +113,8 @@ def register_run(records: list[dict[str, Any]], new_model: str, base_model: str,
         )
     assert outcome["status"] == "registered", outcome
     assert f"version {outcome['version']}" in report
+    # the figures left off the version's tags are listed in the report (and are the run's own)
+    assert outcome["details"] and all(f"| `{name}` |" in report for name in outcome["details"])
     return outcome, scores
 
 

@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 import mlflow
 import pytest
 
-from lychee_pipeline.registry import decide, version_tags
+from lychee_pipeline.registry import decide, run_details
 from ship_support import candidate_queries, make_test_records, mlflow_store, register_run, score_pairs
 
 
@@ -36,8 +36,8 @@ def test_gate_rule_needs_both_the_difference_and_the_p_value():
         decide(_row(0.2, 0.001), {"metric": "mrr"}, "base model")
 
 
-def test_version_tags_hold_metrics_counts_and_processing():
-    tags = version_tags({"test.mrr_at_10.finetuned": 0.5}, {"lines_in": 10, "ok": True},
+def test_run_details_hold_metrics_counts_and_processing():
+    tags = run_details({"test.mrr_at_10.finetuned": 0.5}, {"lines_in": 10, "ok": True},
                         {"training": {"max_pixels": 12544}, "split": {"seed": 42}}, {"run_id": "r", "none": None})
     assert tags == {"metric.test.mrr_at_10.finetuned": "0.5", "data.lines_in": "10",
                     "processing.training.max_pixels": "12544", "processing.split.seed": "42", "run_id": "r"}
@@ -65,10 +65,10 @@ def test_champion_gate_first_version_then_refused_then_replaced(champion_project
         assert str(client.get_model_version_by_alias(NAME, "champion").version) == "1"
         v2 = client.get_model_version(NAME, "2")
         assert v2.tags["gate.decision"] == "not promoted"
-        assert v2.tags["gate.reason"].startswith("not promoted: does not beat the current champion (version 1)")
+        assert v2.description.startswith("not promoted: does not beat the current champion (version 1)")
         # the champion was scored in this run on the same split: it wins its own split outright
-        assert float(v2.tags["gate.reference_value"]) == pytest.approx(1.0)
-        assert float(v2.tags["gate.diff"]) < 0
+        assert float(second["details"]["gate.reference_value"]) == pytest.approx(1.0)
+        assert float(second["details"]["gate.diff"]) < 0
 
         third, _ = register_run(b_wins, ship_models["b"], ship_models["base"], ship_images, name=NAME)
         assert third["version"] == 3 and third["promoted"], third["reason"]
@@ -76,13 +76,18 @@ def test_champion_gate_first_version_then_refused_then_replaced(champion_project
         assert str(client.get_model_version_by_alias(NAME, "champion").version) == "3"
         assert client.get_model_version(NAME, "1").tags["replaced_by"] == "3"
         v3 = client.get_model_version(NAME, "3")
-        assert float(v3.tags["gate.value"]) == pytest.approx(1.0) and float(v3.tags["gate.p_value"]) < 0.05
-        # what the run had: metrics, data counts, processing settings, the run that logged it
-        assert v3.tags["metric.test.mrr_at_10.finetuned"] == "0.9"
-        assert v3.tags["data.test_size"] == "24"
-        assert v3.tags["processing.training.max_pixels"] == "12544"
-        assert v3.tags["processing.split.seed"] == "42"
-        assert v3.tags["processing.scoring.batch_size"] == "16"
+        assert float(v3.tags["test.mrr_at_10"]) == pytest.approx(1.0) and float(third["details"]["gate.p_value"]) < 0.05
+        # the registry page: a handful of tags to filter by (about 340 before: one version row filled the page)
+        assert set(v3.tags) == {"base_model", "family", "finetune", "stage", "run_id", "gate.decision",
+                                "test.mrr_at_10"}, sorted(v3.tags)
+        assert (v3.tags["family"], v3.tags["finetune"], v3.tags["gate.decision"]) == ("qwen2_5_vl", "full", "champion")
+        # what the run had: metrics, data counts, processing settings, in the outcome and the registry report
+        details = third["details"]
+        assert details["metric.test.mrr_at_10.finetuned"] == "0.9"
+        assert details["data.test_size"] == "24"
+        assert details["processing.training.max_pixels"] == "12544"
+        assert details["processing.split.seed"] == "42"
+        assert details["processing.scoring.batch_size"] == "16"
         assert v3.run_id and v3.tags["run_id"] == v3.run_id
         run = client.get_run(v3.run_id)
         assert run.data.tags["registry.version"] == "3" and run.data.tags["registry.promoted"] == "True"
@@ -92,7 +97,7 @@ def test_champion_gate_first_version_then_refused_then_replaced(champion_project
         fourth, _ = register_run(b_wins, ship_models["a"], ship_models["base"], ship_images, name=NAME)
         assert fourth["version"] == 4 and not fourth["promoted"]
         assert fourth["reason"].startswith("not promoted: the current champion (version 3) could not be scored")
-        assert client.get_model_version(NAME, "4").tags["gate.reason"] == fourth["reason"]
+        assert client.get_model_version(NAME, "4").description.startswith(fourth["reason"])
         assert str(client.get_model_version_by_alias(NAME, "champion").version) == "3"
 
 
@@ -116,3 +121,25 @@ def test_a_models_uri_without_its_version_is_one_line_naming_the_versions(tmp_pa
         with pytest.raises(ValueError, match=r"has no version 7 .*its versions: 1, 2"):
             describe_model_uri(f"models:/{NAME}/7")
         assert describe_model_uri(f"models:/{NAME}/2")["model_version"] == 2
+
+
+def test_the_data_hash_tag_is_the_training_table_the_stage_read(tmp_path):
+    """`data.train_sha256`: the bytes of the table named in the final stage's spec.json (None when it is gone)."""
+    from stage_results import make_result
+
+    from lychee_pipeline.pipelines.registry.nodes import _training_data_sha256
+    from lychee_pipeline.reranker.model import ModelConfig
+    from lychee_pipeline.training.checkpoints import sha256_file
+    from lychee_pipeline.training.config import TrainingParams
+    from lychee_pipeline.training.stage import SPEC_FILE, StageSpec
+
+    table = tmp_path / "train.parquet"
+    table.write_bytes(b"the training table")
+    stage = tmp_path / "stage_1cpu_final"
+    stage.mkdir()
+    StageSpec(stage=stage.name, data_path=str(table), output_dir=str(stage),
+              model=ModelConfig(name_or_path="builtin:tiny"), training=TrainingParams()).write(stage / SPEC_FILE)
+    result = make_result(stage=stage.name, adapter_dir=str(stage / "adapter"))
+    assert _training_data_sha256(result) == sha256_file(table)
+    table.unlink()
+    assert _training_data_sha256(result) is None

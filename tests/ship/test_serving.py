@@ -126,3 +126,7 @@ def test_served_model_refuses_images_outside_the_roots(served_champion, path, me
     status, body = _post(served_champion["base"], {"dataframe_records": [row, {**row, "doc_image": path}]})
     assert status == 400, body
     assert message in body.get("message", "") and "row 1" in body["message"], body
+    # the refusal's line alone: MLflow wrapped it as "Failed to predict data '<the request>'. Error: ..."
+    assert body["message"].startswith("row 1: ") and "\n" not in body["message"], body
+    assert body["error_code"] == "INVALID_PARAMETER_VALUE", body
+    print("served refusal:", json.dumps(body))

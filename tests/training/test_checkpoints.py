@@ -56,3 +56,33 @@ def test_prune_keeps_last_k(tmp_path):
         _write(tmp_path, step)
     checkpoints.prune(tmp_path, keep_last=2)
     assert [p.name for p in checkpoints.list_checkpoints(tmp_path)] == ["checkpoint-30", "checkpoint-20"]
+
+
+def test_resume_says_whether_there_is_a_checkpoint_before_the_stage_launches(tmp_path, monkeypatch, caplog):
+    """`training.resume=true` with nothing to resume from said only "no result.json" and trained from step 0;
+    the log now names the folder it looked in, or the checkpoint it resumes from. (The launch itself is not
+    what is checked here: it is stopped where it would start.)"""
+    import pytest
+    from stage_plans import worker_plan
+
+    from lychee_pipeline.pipelines.training.nodes import run_training_stage
+    from lychee_pipeline.training import planning
+
+    def launch(*args, **kwargs):
+        raise RuntimeError("launch")
+
+    monkeypatch.setattr(planning, "run_stage", launch)
+    plan = worker_plan(tmp_path, resume=True, max_steps=8, checkpoint_every=4)
+    stage = Path(plan["run_dir"]) / "stage_1cpu_final"
+    table = tmp_path / "train.parquet"
+    table.write_bytes(b"rows")  # hashed into the spec, never read: nothing launches
+    with caplog.at_level("INFO", logger="lychee_pipeline.training.planning"), pytest.raises(RuntimeError):
+        run_training_stage(str(table), plan, devices=1, final=True)
+    assert (f"stage_1cpu_final: training.resume: no checkpoint found under {stage / 'checkpoints'}, starting "
+            "from step 0") in caplog.text
+    caplog.clear()
+    _write(stage / "checkpoints", 4)
+    with caplog.at_level("INFO", logger="lychee_pipeline.training.planning"), pytest.raises(RuntimeError):
+        run_training_stage(str(table), plan, devices=1, final=True)
+    assert "training.resume: resuming from the newest intact of 1 checkpoint(s)" in caplog.text
+    assert "(newest checkpoint-4)" in caplog.text

@@ -123,7 +123,8 @@ def test_the_slots_a_run_does_not_use_are_named_once_in_the_log(caplog):
     assert [s.devices for s in slots][:3] == [1, None, None] and slots[-1].model_dump() == {"devices": 2, "final": True}
     line = next(r.getMessage() for r in caplog.records if "are not used" in r.getMessage())
     assert line.startswith("stage slots train_stage_2, train_stage_4,") and "train_stage_128" in line
-    assert "train_stage_1," not in line and "with gpus=2" in line
+    assert "train_stage_1," not in line and "with gpus=2 (its stages: 1 -> 2 devices)" in line
+    assert "Kedro lists these as run and completed nodes and kedro-viz shows them, but they launch nothing" in line
 
 
 def test_the_loss_reads_the_training_temperature_not_its_own_default():

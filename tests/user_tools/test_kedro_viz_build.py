@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-
+from pathlib import Path
 
 from user_tools_support import kedro
 
@@ -81,3 +81,53 @@ def test_viz_build_exports_every_pipeline_node_layer_and_stage_tag(project_copy)
     page = json.loads((api / "nodes" / ids["normalized_records"]).read_text())
     assert page["filepath"].endswith("data/03_primary/normalized_records.parquet")
     assert page["type"].endswith("ArrowTableDataset")
+
+
+def test_offline_kedro_viz_run_greets_with_none_as_the_readme_says(project_copy):
+    """"Kedro-Viz None is here!" is kedro-viz's update check without PyPI: `/api/version` turns the missing latest
+    version into the text "None", and the installed version compares below it as a string, so the web app thinks
+    an upgrade exists. Nothing of the project's: the README says so. (PyPI made unreachable through a proxy
+    that refuses connections; when kedro-viz answers otherwise, the README's sentence must change.)"""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    import kedro_viz
+
+    from user_tools_support import user_env
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    port, closed = free_port(), free_port()
+    proxy = f"http://127.0.0.1:{closed}"
+    env = user_env(HTTP_PROXY=proxy, HTTPS_PROXY=proxy, http_proxy=proxy, https_proxy=proxy, NO_PROXY="127.0.0.1",
+                   no_proxy="127.0.0.1")
+    proc = subprocess.Popen([sys.executable, "-m", "kedro", "viz", "run", "--no-browser", "--host", "127.0.0.1",
+                             "--port", str(port)], cwd=project_copy, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline, version = time.monotonic() + 240, None
+        while version is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/version", timeout=5) as r:
+                    version = json.loads(r.read())
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "kedro viz run did not come up"
+                time.sleep(1)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the server's own session, started above
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    assert version == {"installed": kedro_viz.__version__, "is_outdated": True, "latest": "None"}, version
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    assert "Kedro-Viz None is here!" in readme

@@ -175,3 +175,30 @@ def test_mlflow_server_lists_runs_params_and_metrics(mlflow_server):
     with pytest.raises((urllib.error.URLError, ConnectionError)):
         urllib.request.urlopen(f"{base}/health", timeout=2)
 
+
+def test_the_readme_address_opens_the_training_runs(mlflow_server):
+    """MLflow 3.17's UI picks an experiment's view from the address's `workflowType` parameter, else from a
+    browser setting that starts as "genai" (Traces, Judges, ...); the experiment tag `mlflow.experimentKind`
+    is no longer read. The README's address names the project's experiment and asks for the training view."""
+    import re
+
+    base = mlflow_server["base"]
+    experiment = _get(base, "/api/2.0/mlflow/experiments/get-by-name", experiment_name=EXPERIMENT)["experiment"]
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    addresses = re.findall(r"http://127\.0\.0\.1:5000/#/experiments/(\w+)/runs\?workflowType=(\w+)", readme)
+    assert addresses, "the README gives no address of the training runs"
+    assert set(addresses) == {(experiment["experiment_id"], "machine_learning")}, addresses
+    # the tag stays for the MLflow versions that read it (set by MlflowStoreHooks in the data run)
+    tags = {t["key"]: t["value"] for t in experiment.get("tags", [])}
+    assert tags.get("mlflow.experimentKind") == "custom_model_development", tags
+
+    # the UI this server sends reads the view from the address: the parameter and its two values are in it
+    with urllib.request.urlopen(f"{base}/", timeout=10) as r:
+        page = r.read().decode()
+    scripts = re.findall(r'src="([^"]*static/js/main\.[0-9a-f]+\.js)"', page)
+    assert scripts, page[:2000]
+    with urllib.request.urlopen(urllib.parse.urljoin(f"{base}/", scripts[0]), timeout=30) as r:
+        app = r.read().decode("utf-8", "replace")
+    assert 'get("workflowType")' in app and 'MACHINE_LEARNING="machine_learning"' in app
+    assert 'key:"mlflow.workflowType"' in app and 'GENAI="genai"' in app  # the browser setting and its default
+

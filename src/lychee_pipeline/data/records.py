@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 from pydantic import ValidationError
 
+from lychee_pipeline.runtime.errors import MissingInput, UnreadableData
 from lychee_pipeline.schema import MODEL_INPUT_SCHEMA, RawDoc, RawRecord, strip_invisible
 
 _META_ENCODER = json.JSONEncoder(ensure_ascii=False, sort_keys=True, separators=(", ", ": "))
@@ -339,7 +340,7 @@ def discover_files(raw_path: str) -> dict[str, Any]:
     files = [e["file"] for e in entries if e["status"] == "read"]
     if not files:
         skipped = "; ".join(f"{e['file']}: {e['reason']}" for e in entries[:10])
-        raise FileNotFoundError(f"no JSON lines files to read at data.raw_path={raw_path!r}"
+        raise MissingInput(f"no JSON lines files to read at data.raw_path={raw_path!r}"
                                 + (f" ({skipped})" if skipped else ""))
     return {"files": files, "entries": entries, "image_files": images}
 
@@ -395,7 +396,7 @@ def parse_chunk(args: tuple) -> dict[str, Any]:
             except _STREAM_ERRORS as error:
                 if not whole:  # a plain file that cannot be read: not a stream problem
                     raise
-                raise ValueError(f"{file}, after line {number}: {_corrupt_stream(file, error)}") from None
+                raise UnreadableData(f"{file}, after line {number}: {_corrupt_stream(file, error)}") from None
             if whole and not raw:
                 break
             number += 1

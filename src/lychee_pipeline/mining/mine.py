@@ -478,9 +478,14 @@ def score_histogram(scores: Mapping[str, Sequence[float]]):
             ax.hist(values, bins=bins, alpha=0.5, color=colour, density=True,
                     label=f"{name} (n={len(values)}, mean {np.mean(values):.3f})")
     if not any(scores.get(name) for name in ("positive", "mined", "random")):
-        ax.text(0.5, 0.5, "no scores: mining is off", ha="center", va="center", transform=ax.transAxes)
-    else:
-        ax.legend(loc="best", fontsize=8)
+        # not an empty chart with axes that look like a result: a page that says why there is none
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, "Mining was off in this run (mining.enabled / mining.smoke_enabled):\n"
+                "no negatives were mined, so there are no scores to show.", ha="center", va="center",
+                transform=ax.transAxes, wrap=True)
+        fig.tight_layout()
+        return fig
+    ax.legend(loc="best", fontsize=8)
     ax.set_xlabel("base reranker p(yes)")
     ax.set_ylabel("density")
     ax.set_title("Mining: scores of positives, mined and random negatives")

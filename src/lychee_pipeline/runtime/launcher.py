@@ -87,6 +87,9 @@ class LaunchJob:
     env: dict[str, str] = field(default_factory=dict)  # added to the children's environment
     what: str = ""
     on_stop: Callable[[str, str], Any] | None = None  # (KILLED or FAILED, reason) when the job is stopped or fails
+    # what becomes of the folder when the job is stopped: a training stage resumes from its checkpoints, other
+    # launches (the sharded scoring) start over
+    left_for: str = "as it is (launch.log says how far it got); the next run starts this work again"
 
     @property
     def label(self) -> str:
@@ -314,7 +317,7 @@ def _stop_on(exc: BaseException, job: LaunchJob, process: subprocess.Popen, prog
     if job.on_stop is not None:
         job.on_stop("KILLED" if interrupted else "FAILED",
                     interrupt_reason(exc) if interrupted else f"{type(exc).__name__}: {exc}")
-    log.warning("stage %s: stopped; its folder %s is left for a resume (training.resume: true)", job.name, job.folder)
+    log.warning("stage %s: stopped; its folder %s is left %s", job.name, job.folder, job.left_for)
 
 
 def _outcome(job: LaunchJob, config: dict[str, Any], process: subprocess.Popen, ended: Supervision,

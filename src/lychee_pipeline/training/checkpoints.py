@@ -116,6 +116,16 @@ def find_resumable(root: Path) -> tuple[Path | None, dict, list[str]]:
     return None, {}, skipped
 
 
+def resume_note(root: Path) -> str:
+    """What `training.resume: true` will do with the checkpoints under `root`, in one phrase (without reading
+    them: the stage's processes verify them and say in launch.log which one they resumed from)."""
+    found = list_checkpoints(root)
+    if not found:
+        return f"training.resume: no checkpoint found under {root}, starting from step 0"
+    return (f"training.resume: resuming from the newest intact of {len(found)} checkpoint(s) under {root} "
+            f"(newest {found[0].name})")
+
+
 def prune(root: Path, keep_last: int) -> None:
     """Keep the newest `keep_last` published checkpoints; drop stale staging folders."""
     for old in list_checkpoints(root)[keep_last:]:

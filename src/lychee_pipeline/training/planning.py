@@ -316,7 +316,7 @@ def reusable_result(stage_dir: Path, wanted_hash: str) -> tuple[StageResult | No
     """A finished stage's result if its spec hash matches and its adapter verifies, else (None, why not)."""
     result_path = stage_dir / RESULT_FILE
     if not result_path.is_file():
-        return None, "no result.json"
+        return None, "not finished (no result.json)"
     try:
         result = StageResult.read(result_path)
     except ValueError as exc:
@@ -352,6 +352,8 @@ def run_training_stage(training_data: str, plan: TrainingPlan, devices: int, fin
             log.info("stage %s: not reusing %s: %s", spec.stage, stage_dir, why)
     if not spec.training.resume and stage_dir.exists():
         shutil.rmtree(stage_dir)
+    if spec.training.resume:
+        log.info("stage %s: %s", spec.stage, checkpoints.resume_note(stage_dir / "checkpoints"))
     outcome = stage_outcome(run_stage(stage_dir, spec, devices, plan.device_type, strategy_template(plan),
                                       tracking_env()))
     if isinstance(outcome, StageResult) and outcome.tracking_failures:

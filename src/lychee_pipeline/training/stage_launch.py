@@ -34,7 +34,8 @@ def run_stage(
                     spec_text=json.dumps(spec.model_dump(), indent=1, default=str), folder=stage_dir,
                     devices=devices, device_type=device_type, launch=spec.training.launch, template=template,
                     env=tracking_env, what=f"training stage {spec.stage!r}",
-                    on_stop=functools.partial(end_stage_runs, tracking_env))
+                    on_stop=functools.partial(end_stage_runs, tracking_env),
+                    left_for="for a resume (training.resume: true)")
     return stage_outcome(launch(job))
 
 

@@ -300,7 +300,11 @@ def test_pipeline_passes_through_when_off_and_mines_when_on(mined, tmp_path):
         else:
             assert counts["mined"] > 0 and counts["model"] == "builtin:tiny"
             assert sum(len(n) for n in out.column("negatives").to_pylist()) > sum(len(n) for n in train.column("negatives").to_pylist())
-        assert catalog.load("mining_plot").axes
+        plot = catalog.load("mining_plot")
+        assert plot.axes
+        if not enabled:  # no empty chart: a page that says mining was off (data/08_reporting/mining_scores.png)
+            assert not plot.axes[0].axison and not plot.axes[0].patches
+            assert "Mining was off in this run" in " ".join(t.get_text() for t in plot.axes[0].texts)
 
 
 def test_mining_sits_between_split_and_training_on_the_train_split_only():

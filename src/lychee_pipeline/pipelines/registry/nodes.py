@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -94,14 +95,15 @@ def _register(test_records, test_scores, stage_results: list[StageResult], mlflo
 
     active = mlflow.active_run()
     run_id = active.info.run_id if active is not None else None
-    tags = registry.version_tags(
+    tags = {"base_model": model.name_or_path, "family": _family(model.name_or_path), "finetune": model.finetune,
+            "data.train_sha256": _training_data_sha256(stage_results[-1]), "stage": final, "run_id": run_id}
+    details = registry.run_details(
         evaluation_mlflow_metrics, data_counts, processing_settings(training, evaluation, data_processing),
-        {"run_id": run_id, "stage": final, "base_model": model.name_or_path, "finetune": model.finetune,
-         "logged_model_uri": mlflow_logging["model_uri"]},
+        {"logged_model_uri": mlflow_logging["model_uri"]},
     )
     outcome = registry.register_and_gate(
         model_uri=mlflow_logging["model_uri"], name=params.model_name, new_scores=new_scores, base_scores=base_scores,
-        score_reference=score_reference, tags=tags, gate=params.gate.model_dump(),
+        score_reference=score_reference, tags=tags, details=details, gate=params.gate.model_dump(),
         alias=params.alias, seed=seed,
         n_resamples=evaluation.significance.n_resamples, confidence_level=evaluation.significance.confidence_level,
         run_id=run_id,
@@ -110,3 +112,29 @@ def _register(test_records, test_scores, stage_results: list[StageResult], mlflo
         mlflow.set_tags({"registry.version": outcome["version"], "registry.promoted": outcome["promoted"],
                          "registry.reason": outcome["reason"][:5000]})
     return outcome
+
+
+def _family(name_or_path: str) -> str | None:
+    """The model family of the base model (`qwen2_5_vl`), from its config.json; None when it cannot be read."""
+    from lychee_pipeline.reranker.families import family_of
+    from lychee_pipeline.reranker.model import resolve_model_path
+
+    try:
+        return family_of(resolve_model_path(name_or_path, local_files_only=True), local_files_only=True
+                         ).__name__.rsplit(".", 1)[-1]
+    except Exception as exc:  # noqa: BLE001 - a tag left out, the version is still registered
+        log.warning("registry: the model family of %s is unknown (%s: %s)", name_or_path, type(exc).__name__, exc)
+        return None
+
+
+def _training_data_sha256(result: StageResult) -> str | None:
+    """sha256 of the training table the stage read (named in its spec.json); None when it is gone."""
+    from lychee_pipeline.training.checkpoints import sha256_file
+    from lychee_pipeline.training.stage import SPEC_FILE, StageSpec
+
+    spec = Path(result.adapter_dir).parent / SPEC_FILE
+    try:
+        return sha256_file(Path(StageSpec.read(spec).data_path))
+    except (OSError, ValueError) as exc:
+        log.warning("registry: no training data hash for the version (%s: %s)", type(exc).__name__, exc)
+        return None

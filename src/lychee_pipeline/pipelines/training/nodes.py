@@ -41,8 +41,10 @@ def assign_stage_slots(plan: TrainingPlan) -> list[StageSlot]:
     slots = plan.stage_slots()
     unused = [f"train_stage_{d}" for d, slot in zip(planning.rung_devices(), slots) if slot.devices is None]
     if unused:  # Kedro still logs "Running node" for each of them
-        log.info("stage slots %s are not used with gpus=%d: they pass through without launching anything",
-                 ", ".join(unused), plan.gpus)
+        log.info("stage slots %s are not used with gpus=%d (its stages: %s devices): the pipeline has one slot per "
+                 "power of two up to %d, since Kedro's graph is fixed, so Kedro lists these as run and completed "
+                 "nodes and kedro-viz shows them, but they launch nothing", ", ".join(unused), plan.gpus,
+                 " -> ".join(map(str, plan.ladder)), planning.rung_devices()[-1])
     return slots
 
 
