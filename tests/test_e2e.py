@@ -127,7 +127,7 @@ def test_full_pipeline_runs_stages_1_then_2_processes(tmp_path):
     assert version.run_id == parents[0].info.run_id and version.tags["stage"] == "stage_2cpu_final"
     metrics = json.loads((root / "data/08_reporting/evaluation_mlflow_metrics.json").read_text())
     # the registry page's handful of tags; the run's figures and settings are in the outcome and the report
-    from lychee_pipeline.training.checkpoints import sha256_file
+    from lychee_pipeline.runtime.files import sha256_file
 
     assert len(version.tags) <= 8 and version.tags["base_model"] == "builtin:tiny", version.tags
     assert version.tags["family"] == "qwen2_5_vl" and version.tags["gate.decision"] in ("champion", "not promoted")

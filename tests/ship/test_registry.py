@@ -129,7 +129,7 @@ def test_the_data_hash_tag_is_the_training_table_the_stage_read(tmp_path):
 
     from lychee_pipeline.pipelines.registry.nodes import _training_data_sha256
     from lychee_pipeline.reranker.model import ModelConfig
-    from lychee_pipeline.training.checkpoints import sha256_file
+    from lychee_pipeline.runtime.files import sha256_file
     from lychee_pipeline.training.config import TrainingParams
     from lychee_pipeline.training.stage import SPEC_FILE, StageSpec
 

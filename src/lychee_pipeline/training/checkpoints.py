@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import shutil
 from pathlib import Path
 
+from lychee_pipeline.runtime.files import sha256_file
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 PREFIX = "checkpoint-"
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def staging_dir(root: Path, step: int) -> Path:

@@ -129,7 +129,7 @@ def _family(name_or_path: str) -> str | None:
 
 def _training_data_sha256(result: StageResult) -> str | None:
     """sha256 of the training table the stage read (named in its spec.json); None when it is gone."""
-    from lychee_pipeline.training.checkpoints import sha256_file
+    from lychee_pipeline.runtime.files import sha256_file
     from lychee_pipeline.training.stage import SPEC_FILE, StageSpec
 
     spec = Path(result.adapter_dir).parent / SPEC_FILE
