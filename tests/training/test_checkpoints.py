@@ -65,15 +65,15 @@ def test_resume_says_whether_there_is_a_checkpoint_before_the_stage_launches(tmp
     import pytest
     from stage_plans import worker_plan
 
-    from lychee_pipeline.pipelines.training.nodes import run_training_stage
     from lychee_pipeline.training import planning
+    from lychee_pipeline.training.planning import run_training_stage
 
     def launch(*args, **kwargs):
         raise RuntimeError("launch")
 
     monkeypatch.setattr(planning, "run_stage", launch)
     plan = worker_plan(tmp_path, resume=True, max_steps=8, checkpoint_every=4)
-    stage = Path(plan["run_dir"]) / "stage_1cpu_final"
+    stage = Path(plan.run_dir) / "stage_1cpu_final"
     table = tmp_path / "train.parquet"
     table.write_bytes(b"rows")  # hashed into the spec, never read: nothing launches
     with caplog.at_level("INFO", logger="lychee_pipeline.training.planning"), pytest.raises(RuntimeError):
