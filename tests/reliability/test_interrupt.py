@@ -236,18 +236,18 @@ def test_an_interrupted_scoring_launch_does_not_promise_a_resume(tmp_path, caplo
     `training.resume: true` (only training stages are), and the log says what is true instead."""
     import threading
 
-    from lychee_pipeline.training.config import TrainingParams
+    from lychee_pipeline.evaluation.score_shards import ScoringJobSpec
+    from lychee_pipeline.evaluation.scoring import launch_scoring
 
     work = tmp_path / "scoring"
-    launch_settings = TrainingParams().launch.model_copy(update={"mixed_precision": "no"}).model_dump()
-    spec = {"stage": "scoring", "output_dir": str(work), "jobs": [], "training": {"launch": launch_settings}}
+    spec = ScoringJobSpec(stage="scoring", output_dir=str(work), jobs=[])
     # Ctrl-C as the terminal sends it, once the launcher runs (its Python start alone takes seconds)
     timer = threading.Timer(1.5, signal.raise_signal, (signal.SIGINT,))
-    caplog.set_level("WARNING", logger="lychee_pipeline.training.launch")
+    caplog.set_level("WARNING", logger="lychee_pipeline.runtime.launcher")
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            launch.run_stage(work, spec, 1, "cpu", None, {}, module="lychee_pipeline.evaluation.score_shards")
+            launch_scoring(spec, 1, "cpu")
     finally:
         timer.cancel()
     assert f"stage scoring: stopped; its folder {work} is left as it is (launch.log says how far it got); the " \
