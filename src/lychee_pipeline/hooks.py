@@ -397,6 +397,12 @@ class TrackingServerHooks:
             uri = None
         check_tracking_server(uri or os.environ.get(ENV_TRACKING_URI))
 
+    @hook_impl(tryfirst=True)  # the log handlers are final by now (ProjectRootHooks may replace Kedro's)
+    def before_pipeline_run(self, run_params, pipeline, catalog) -> None:
+        from lychee_pipeline.tracking import redact_logs
+
+        redact_logs()
+
     @hook_impl(wrapper=True)
     def on_pipeline_error(self, error, run_params, pipeline, catalog):
         from lychee_pipeline.tracking import TrackingServerUnavailable

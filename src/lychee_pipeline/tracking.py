@@ -63,6 +63,27 @@ def redact_text(text: str) -> str:
     return text
 
 
+class RedactingFilter(logging.Filter):
+    """Masks URL passwords and the MLflow password/token in log records (an MLflow error names the URI it
+    called, with the password a user wrote into MLFLOW_TRACKING_URI)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        masked = redact_text(message)
+        if masked != message:
+            record.msg, record.args = masked, ()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = redact_text(logging.Formatter().formatException(record.exc_info))
+        return True
+
+
+def redact_logs() -> None:
+    """Put RedactingFilter on the root logger's handlers (where every propagated record passes), once each."""
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())
+
+
 def _uri_set_by_mlflow() -> str | None:
     """The URI this process's MLflow was told with `set_tracking_uri` (it copies it into MLFLOW_TRACKING_URI)."""
     try:
