@@ -9,7 +9,7 @@ export MLFLOW_DISABLE_TELEMETRY=1
 export DO_NOT_TRACK=1
 export TOKENIZERS_PARALLELISM=false
 
-.PHONY: install lock audit smoke full test test-fast viz mlflow-ui benchmark-data clean
+.PHONY: install lock audit smoke full test test-fast viz mlflow-ui tracking-server benchmark-data clean
 
 install: $(VENV)/.installed
 
@@ -53,6 +53,12 @@ viz: install
 
 mlflow-ui: install
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/kedro mlflow ui --host 127.0.0.1
+
+# A team's MLflow tracking server on 127.0.0.1:$(TRACKING_PORT): PostgreSQL backend store and artifact root under
+# .tracking/ (README "For a team"). Foreground; Ctrl-C stops it. Needs PostgreSQL (apt-get install postgresql).
+TRACKING_PORT ?= 5000
+tracking-server: install
+	$(BIN)/python scripts/tracking_server.py --root .tracking --port $(TRACKING_PORT)
 
 benchmark-data: install
 	$(BIN)/python benchmarks/data_layer.py

@@ -468,3 +468,42 @@ class RefusalHooks:
         from lychee_pipeline.runtime.errors import refusal_in
 
         REFUSAL_ECHO_FILTER.refused = refusal_in(error) is not None
+
+
+class TrackingServerHooks:
+    """A run that logs to an MLflow tracking server (README "For a team") checks it answers before any work, and
+    a run stopped because the server went away ends on that one line, not on the hooks' failed goodbyes to it."""
+
+    @hook_impl(tryfirst=True)  # before kedro-mlflow's after_context_created talks to the store
+    def after_context_created(self, context) -> None:
+        from lychee_pipeline.tracking import ENV_TRACKING_URI, check_tracking_server
+
+        try:
+            uri = (context.config_loader["mlflow"].get("server") or {}).get("mlflow_tracking_uri")
+        except Exception:  # noqa: BLE001 - no mlflow.yml: kedro-mlflow's defaults
+            uri = None
+        check_tracking_server(uri or os.environ.get(ENV_TRACKING_URI))
+
+    @hook_impl(tryfirst=True)  # the log handlers are final by now (ProjectRootHooks may replace Kedro's)
+    def before_pipeline_run(self, run_params, pipeline, catalog) -> None:
+        from lychee_pipeline.tracking import redact_logs
+
+        redact_logs()
+
+    @hook_impl(wrapper=True)
+    def on_pipeline_error(self, error, run_params, pipeline, catalog):
+        from lychee_pipeline.tracking import TrackingServerUnavailable
+
+        if not isinstance(error, TrackingServerUnavailable):
+            return (yield)
+        # the other hooks' calls (a failure tag, ending the runs as FAILED) cannot reach the server: no retries,
+        # and their errors are not raised over the run's own one-line error
+        os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+        try:
+            return (yield)
+        except Exception as exc:  # noqa: BLE001
+            from lychee_pipeline.tracking import redact_text
+
+            log.warning("the MLflow run could not be ended on the server (%s); it stays RUNNING there",
+                        redact_text(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)[:300])
+            return []

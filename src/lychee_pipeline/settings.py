@@ -6,6 +6,7 @@ from kedro.config import OmegaConfigLoader
 
 from lychee_pipeline import quiet_library_warnings
 from lychee_pipeline.project import project_root
+from lychee_pipeline.tracking import configured_tracking_uri
 
 quiet_library_warnings()
 
@@ -23,7 +24,12 @@ CONFIG_LOADER_ARGS = {
     },
     # ${abspath:mlflow.db}: an absolute store path in the project root (wherever `kedro run` started), so a
     # process that opens two projects (a notebook, the tests) never reuses the first project's cached store.
-    "custom_resolvers": {"abspath": lambda path: (project_root() / Path(path)).resolve().as_posix()},
+    # ${tracking_uri:mlflow.db}: MLFLOW_TRACKING_URI where the user set it (a team's server), else that sqlite
+    # file in the project root
+    "custom_resolvers": {
+        "abspath": lambda path: (project_root() / Path(path)).resolve().as_posix(),
+        "tracking_uri": lambda path: configured_tracking_uri((project_root() / Path(path)).resolve().as_posix()),
+    },
 }
 
 from lychee_pipeline.hooks import (  # noqa: E402
@@ -33,10 +39,11 @@ from lychee_pipeline.hooks import (  # noqa: E402
     ProjectRootHooks,
     RefusalHooks,
     RunOutcomeHooks,
+    TrackingServerHooks,
 )
 from lychee_pipeline.model_source import ModelSourceHooks  # noqa: E402
 
 # ModelSourceHooks before ParameterCheckHooks: pluggy calls the later one of two tryfirst hooks first, so the
 # parameters are checked before the model is looked for
 HOOKS = (ProjectRootHooks(), MlflowStoreHooks(), ModelSourceHooks(), ParameterCheckHooks(), TypedBlocksHooks(),
-         RunOutcomeHooks(), RefusalHooks())
+         RunOutcomeHooks(), RefusalHooks(), TrackingServerHooks())

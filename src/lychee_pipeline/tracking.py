@@ -8,12 +8,185 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from lychee_pipeline.runtime.errors import UserInputError
 
 log = logging.getLogger(__name__)
 
 ENV_PARENT_RUN = "LYCHEE_MLFLOW_PARENT_RUN_ID"
 ENV_EXPERIMENT = "LYCHEE_MLFLOW_EXPERIMENT_ID"
+ENV_TRACKING_URI = "MLFLOW_TRACKING_URI"
+#: Requests to a tracking server: MLflow's default (7 retries, about 4 minutes of back-off per call) is made for
+#: rate-limited hosted services; a stage process waiting that long per logged step stalls training, and a run
+#: whose server is gone only learns it minutes later. A user's own value of these wins.
+SERVER_REQUEST_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+HEALTH_TIMEOUT_S = 5.0
+
+# URIs that `MLFLOW_TRACKING_URI` held because the user set it (see configured_tracking_uri)
+_user_uris: set[str] = set()
+
+
+class TrackingServerUnavailable(UserInputError, RuntimeError):
+    """The MLflow tracking server does not answer (one line, naming the URI without its credentials)."""
+
+
+def is_server_uri(uri: str | None) -> bool:
+    return bool(uri) and uri.split(":", 1)[0].lower() in ("http", "https")
+
+
+def redact_uri(uri: str) -> str:
+    """The URI without a password in it (`http://user:secret@host` -> `http://user:***@host`)."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return redact_text(uri)
+    if parts.password is None:
+        return uri
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+_URL_CREDENTIALS = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]*):[^/\s@]*@")
+
+
+def redact_text(text: str) -> str:
+    """A message with any password of a URL in it, and the value of MLFLOW_TRACKING_PASSWORD/TOKEN, masked."""
+    text = _URL_CREDENTIALS.sub(r"\1:***@", text)
+    for name in ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"):
+        secret = os.environ.get(name)
+        if secret and len(secret) >= 4:
+            text = text.replace(secret, "***")
+    return text
+
+
+class RedactingFilter(logging.Filter):
+    """Masks URL passwords and the MLflow password/token in log records (an MLflow error names the URI it
+    called, with the password a user wrote into MLFLOW_TRACKING_URI)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        masked = redact_text(message)
+        if masked != message:
+            record.msg, record.args = masked, ()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = redact_text(logging.Formatter().formatException(record.exc_info))
+        return True
+
+
+def redact_logs() -> None:
+    """Put RedactingFilter on the root logger's handlers (where every propagated record passes), once each."""
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())
+
+
+def _uri_set_by_mlflow() -> str | None:
+    """The URI this process's MLflow was told with `set_tracking_uri` (it copies it into MLFLOW_TRACKING_URI)."""
+    try:
+        from mlflow.tracking._tracking_service import utils
+    except ImportError:
+        return None
+    return getattr(utils, "_tracking_uri", None)
+
+
+def configured_tracking_uri(default_store: str) -> str:
+    """The store a `kedro run` logs to: MLFLOW_TRACKING_URI where the user set it, else the project's sqlite file.
+
+    The `tracking_uri` resolver of conf/base/mlflow.yml (settings.py); conf/local/mlflow.yml's
+    `server.mlflow_tracking_uri` replaces it. MLflow's `set_tracking_uri` writes the variable too: a value equal
+    to what this process's MLflow was told is ignored unless the user had set it, so a second project opened in
+    the same process (a notebook, the tests) logs to its own store, not to the first one's.
+    """
+    from_env = os.environ.get(ENV_TRACKING_URI, "").strip()
+    if from_env and (from_env in _user_uris or from_env != _uri_set_by_mlflow()):
+        _user_uris.add(from_env)
+        return from_env
+    return f"sqlite:///{default_store}"
+
+
+def server_problem(uri: str, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
+    """Why the tracking server at `uri` does not answer its health check, or None when it does."""
+    import base64
+    import urllib.error
+    import urllib.request
+
+    parts = urlsplit(uri)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = host + (f":{parts.port}" if parts.port else "")
+    url = urlunsplit(parts._replace(netloc=netloc, query="", fragment="")).rstrip("/") + "/health"
+    request = urllib.request.Request(url)
+    user = parts.username or os.environ.get("MLFLOW_TRACKING_USERNAME")
+    password = parts.password or os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    if user and password:
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            if response.status == 200:
+                return None
+            return f"answered its health check with HTTP {response.status}"
+    except urllib.error.HTTPError as error:
+        if error.code in (401, 403):
+            return None  # it is there; the credentials are MLflow's business (it says so on the first call)
+        return f"answered its health check with HTTP {error.code}"
+    except urllib.error.URLError as error:
+        reason = error.reason
+        return f"does not answer ({redact_text(str(getattr(reason, 'strerror', None) or reason))})"
+    except (OSError, ValueError) as error:
+        return f"does not answer ({redact_text(str(error)) or type(error).__name__})"
+
+
+def use_server_request_defaults() -> None:
+    """Shorter MLflow request retries for a tracking server (SERVER_REQUEST_DEFAULTS), where not set already."""
+    for name, value in SERVER_REQUEST_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
+def check_tracking_server(uri: str | None) -> None:
+    """Refuse a run whose tracking server does not answer, before any work: one line naming the URI."""
+    if not is_server_uri(uri):
+        return
+    use_server_request_defaults()
+    if urlsplit(uri).password is not None:
+        # MLflow prints "View run ... at: <tracking URI>/#/..." when a run ends: the password with it
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
+    problem = server_problem(uri)
+    if problem:
+        raise TrackingServerUnavailable(
+            f"MLflow tracking server {redact_uri(uri)} {problem}: nothing was run. Start it (make tracking-server) "
+            f"or point MLFLOW_TRACKING_URI (or server.mlflow_tracking_uri in conf/local/mlflow.yml) at one that "
+            f"runs")
+
+
+def check_stage_tracking(failures: list[str], stage: str, stage_dir: str) -> None:
+    """After a stage whose MLflow logging failed: stop the run in one line if the tracking server is gone.
+
+    The stage's result is on disk (and is reused by the next run); a store that answers again (a locked sqlite
+    file, a server that restarted) only gets the warning the caller logs."""
+    if not failures:
+        return
+    try:
+        import mlflow
+    except ImportError:
+        return
+    uri = mlflow.get_tracking_uri()
+    if not is_server_uri(uri):
+        return
+    problem = server_problem(uri)
+    if problem:
+        os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"  # closing the run must not wait on it again
+        raise TrackingServerUnavailable(
+            f"MLflow tracking server {redact_uri(uri)} {problem} (stage {stage} logged: "
+            f"{redact_text(failures[0])[:300]}): the stage finished and its result is on disk in {stage_dir}; "
+            f"start the server again and re-run: finished stages are reused")
 
 
 class StageTracker:
@@ -23,8 +196,13 @@ class StageTracker:
         self.run_id: str | None = None
         self.failures: list[str] = []
         self._mlflow = None
-        if not enabled or not os.environ.get("MLFLOW_TRACKING_URI"):
+        self._server = False
+        uri = os.environ.get(ENV_TRACKING_URI)
+        if not enabled or not uri:
             return
+        self._server = is_server_uri(uri)
+        if self._server:
+            use_server_request_defaults()
         try:
             import mlflow
         except ImportError:
@@ -55,10 +233,15 @@ class StageTracker:
         try:
             return fn()
         except Exception as exc:  # noqa: BLE001 - a tracking failure must never stop training
-            message = f"MLflow {what} failed: {type(exc).__name__}: {exc}"
+            message = redact_text(f"MLflow {what} failed: {type(exc).__name__}: {exc}")
             if not self.failures:
                 log.warning("%s (training continues; figures are also in result.json)", message)
             self.failures.append(message)
+            if self._server and server_problem(os.environ[ENV_TRACKING_URI]):
+                # gone: every later call would wait out its retries again, once per logged step
+                log.warning("MLflow tracking server %s does not answer: no more MLflow logging in this stage",
+                            redact_uri(os.environ[ENV_TRACKING_URI]))
+                self._mlflow = None
             return None
 
     @property

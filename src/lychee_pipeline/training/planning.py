@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict
 
 from lychee_pipeline.reranker.model import ModelConfig
+from lychee_pipeline.tracking import check_stage_tracking
 from lychee_pipeline.training import checkpoints
 from lychee_pipeline.training.config import StageParams, TrainingParams
 from lychee_pipeline.training.stage_launch import run_stage
@@ -357,6 +358,7 @@ def run_training_stage(training_data: str, plan: TrainingPlan, devices: int, fin
     outcome = stage_outcome(run_stage(stage_dir, spec, devices, plan.device_type, strategy_template(plan),
                                       tracking_env()))
     if isinstance(outcome, StageResult) and outcome.tracking_failures:
+        check_stage_tracking(outcome.tracking_failures, spec.stage, str(stage_dir))  # a server gone: stop here
         log.warning("stage %s finished, but MLflow tracking failed %d time(s) (figures are in result.json): %s",
                     spec.stage, len(outcome.tracking_failures), outcome.tracking_failures[0])
     return outcome.model_copy(update={"final": final, "reused": False})
