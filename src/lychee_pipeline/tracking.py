@@ -184,9 +184,9 @@ def check_stage_tracking(failures: list[str], stage: str, stage_dir: str) -> Non
     if problem:
         os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"  # closing the run must not wait on it again
         raise TrackingServerUnavailable(
-            f"MLflow tracking server {redact_uri(uri)} {problem} (stage {stage} logged: "
-            f"{redact_text(failures[0])[:300]}): the stage finished and its result is on disk in {stage_dir}; "
-            f"start the server again and re-run: finished stages are reused")
+            f"MLflow tracking server {redact_uri(uri)} {problem}: the stage {stage} finished and its result is on "
+            f"disk in {stage_dir} (its logging failures in result.json); start the server again and re-run: "
+            f"finished stages are reused")
 
 
 class StageTracker:

@@ -154,17 +154,16 @@ def test_server_gone_mid_run_stops_in_one_line_and_keeps_the_stage(team_runs):
     rc, log = team_runs["interrupted"]
     port = team_runs["server"].port
     assert rc != 0, log[-4000:]
-    lines = [line.strip() for line in log.splitlines() if "TrackingServerUnavailable: " in line]
-    assert lines, log[-6000:]
-    line = lines[-1]
-    assert line.startswith(f"TrackingServerUnavailable: MLflow tracking server "
-                           f"http://lychee:***@127.0.0.1:{port} does not answer"), line
-    assert "the stage finished and its result is on disk in" in line and "finished stages are reused" in line
+    # a refusal: its one line is the last on the terminal, the traceback went to info.log
+    line = log.strip().splitlines()[-1]
+    assert line.startswith(f"Error: MLflow tracking server http://lychee:***@127.0.0.1:{port} does not answer"), \
+        log[-6000:]
+    assert "the stage stage_1cpu finished and its result is on disk in" in line and "finished stages are reused" in line
     result = team_runs["first_result"]  # stage_1cpu/result.json as the interrupted run left it
     assert result is not None and result["steps"] == 8 and result["tracking_failures"]
     assert team_runs["stages_after_first"] == ["stage_1cpu"]  # stopped before the next stage
-    # the hooks' goodbyes to the dead server did not bury that line under more tracebacks
-    assert log.count("Traceback (most recent call last)") == 1, log[-6000:]
+    # the hooks' goodbyes to the dead server did not bury that line under tracebacks
+    assert log.count("Traceback (most recent call last)") == 0, log[-6000:]
 
 
 def test_rerun_reuses_the_stage_and_two_runs_at_once_land_complete(team_runs):
@@ -195,7 +194,7 @@ def test_rerun_reuses_the_stage_and_two_runs_at_once_land_complete(team_runs):
         # per-step metrics from rank 0 of the stage processes, through the server
         assert [m.step for m in client.get_metric_history(final.info.run_id, "loss")] == list(range(1, 7))
         # the gate's decision on the version, the alias where it promoted
-        assert version.tags["gate.reason"] == outcome["reason"]
+        assert version.description.startswith(outcome["reason"]) and version.tags["gate.decision"]
         assert ("champion" in version.aliases) == outcome["promoted"]
         # nothing was written to a local store instead
         assert not (project / "mlflow.db").exists() and not (project / "mlruns").exists()
