@@ -136,6 +136,7 @@ class Reranker:
         prefetch_batches: int = 2,
         prepare_workers: int | str = "auto",
         first_batch: int | str = "auto",
+        prefix_reuse: bool = False,
     ):
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
@@ -157,6 +158,16 @@ class Reranker:
         self.preparation = HostPreparation(model, collator, batch_size, chunk_batches, prefetch_batches,
                                            prepare_workers, first_batch)
         self.processing = ProcessingConfig(max_length, min_pixels, max_pixels, instructions)
+        # prefix_reuse: a query's shared prompt prefix (system prompt, instruction, the query's text and image) runs
+        # through the language model once per batch, each candidate attending to it (reranker/prefix.py); the
+        # scores are the plain packed path's. Refused in one line for a model that does not pack pairs.
+        if prefix_reuse:
+            model.require_prefix_reuse()
+        self.preparation.prefix_reuse = bool(prefix_reuse)
+
+    @property
+    def prefix_reuse(self) -> bool:
+        return self.preparation.prefix_reuse
 
     @property
     def collator(self) -> PairCollator:
