@@ -84,6 +84,7 @@ class ModelConfig:
     pack_pairs: bool = True  # one packed sequence per micro-batch, no padding tokens (reranker/packing.py)
     kernels: Literal["auto", "liger", "none"] = "auto"  # fused kernels at load: auto = liger on CUDA where installed
     compile_layers: bool = False  # torch.compile each decoder layer (reranker/kernels.py)
+    fp8: bool = False  # FP8 matmuls in the language model's linear layers: Hopper + torchao only (reranker/fp8.py)
 
     # read by pydantic where the pipeline validates its `model:` parameters (no pydantic import needed here)
     __pydantic_config__ = {"extra": "forbid"}
@@ -394,6 +395,10 @@ def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") 
     from .kernels import apply_kernels, resolve_kernels
 
     dev = resolve_device(device)
+    if cfg.fp8:  # before the load: a CPU, another GPU or a missing torchao fails here in one line
+        from .fp8 import require_fp8
+
+        require_fp8(dev, cfg.finetune)
     if cfg.finetune == "qlora":
         _check_qlora_possible(dev)
     resolve_kernels(cfg.kernels, dev)  # a kernel choice this machine cannot run fails before the load
@@ -428,6 +433,10 @@ def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") 
     if cfg.finetune != "qlora":
         model.to(dev)
     apply_kernels(model, cfg.kernels, dev, family)  # fused RMSNorm/SwiGLU/rope (liger) or the plain path; logged
+    if cfg.fp8:  # the frozen base projections in FP8, before peft wraps them (the adapters stay in bf16)
+        from .fp8 import apply_fp8
+
+        apply_fp8(model, family.language_models(model))
 
     processor_path = path
     if cfg.adapter is not None and (Path(cfg.adapter) / "tokenizer_config.json").is_file():
