@@ -130,3 +130,9 @@ def test_prefix_reuse_is_refused_where_the_family_refuses_it(make_model, monkeyp
     with pytest.raises(ValueError, match=r"^prefix_reuse: the qwen2_5_vl family does not support it: its visual "
                                          r"features reach later layers; set prefix_reuse: false$"):
         Reranker(model, prefix_reuse=True)
+
+
+def test_from_pretrained_takes_prefix_reuse(tiny_dir):
+    scorer = Reranker.from_pretrained("builtin:tiny", device="cpu", tiny_cache_dir=tiny_dir, prefix_reuse=True)
+    assert scorer.prefix_reuse and scorer.preparation.prefix_reuse
+    assert not Reranker.from_pretrained("builtin:tiny", device="cpu", tiny_cache_dir=tiny_dir).prefix_reuse
