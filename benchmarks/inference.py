@@ -334,10 +334,14 @@ def fp8_variants(reranker, pairs, args, pipeline: dict, device, params, peaks, b
     from lychee_pipeline.reranker.kernels import compile_decoder_layers
 
     sub = pairs[: args.fp8_check]
-    dtype = next(reranker.parameters()).dtype
+    def tensors():
+        return [*reranker.named_parameters(), *reranker.named_buffers()]
+
+    dtypes = {name: t.dtype for name, t in tensors()}  # per tensor: buffers kept in fp32 stay so
     reranker.to(torch.float32)
     fp32 = Reranker(reranker, batch_size=args.batch_size, **pipeline).score_pairs(sub)
-    reranker.to(dtype)
+    for name, tensor in tensors():  # .to() replaced the buffers: cast back what the module holds now
+        tensor.data = tensor.data.to(dtypes[name])
     out = {"bf16_vs_fp32": compare(fp32, bf16_scores[: len(sub)], args.docs)}
     refusal = fp8.fp8_refusal(device, "frozen")
     if refusal is not None and device.type == "cuda":
