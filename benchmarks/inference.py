@@ -486,7 +486,8 @@ def variant_line(name: str, r: dict) -> str:
     if "vs_naive" in r:
         c = r["vs_naive"]
         extra = (f"  max |dp| {c['max_abs_prob_diff']:.2e}, max |dlogit| {c['max_abs_logit_diff']:.2e}, same ranking "
-                 f"{c['queries_same_ranking']}/{c['queries']} queries, same top-1 {c['queries_same_top1']}/{c['queries']}"
+                 f"{c['queries_same_ranking']}/{c['queries']} queries, same top-1 "
+                 f"{c['queries_same_top1']}/{c['queries']}"
                  f"; discordant doc pairs {c['discordant_doc_pairs']}/{c['doc_pairs']}, largest naive logit gap among "
                  f"them {c['max_ref_logit_gap_of_discordant']:.2e}")
     if "host_prepare_s" in r:
@@ -495,7 +496,8 @@ def variant_line(name: str, r: dict) -> str:
                   f"forward after {r['first_forward_after_s']:.2f} s (first chunk {r['first_chunk']} pairs, "
                   f"{r['batches']} batches)")
     return (f"{name:>14}: {r['pairs_per_s']:6.2f} pairs/s {r.get('tokens_per_s', float('nan')):8.0f} tok/s MFU "
-            f"{100 * r.get('mfu_measured', float('nan')):5.1f}% meas {100 * r.get('mfu_datasheet', float('nan')):5.1f}% "
+            f"{100 * r.get('mfu_measured', float('nan')):5.1f}% meas "
+            f"{100 * r.get('mfu_datasheet', float('nan')):5.1f}% "
             f"spec ({r['seconds']:.1f} s) peak {r['peak_gib']:.1f} GiB  {r['label']}{extra}")
 
 

@@ -351,7 +351,8 @@ def vision_micro(reranker: LycheeReranker, batch: dict, device: torch.device, re
     return res
 
 
-MATMUL_KERNEL_KEYS = ("gemm", "matmul", "sm90", "cutlass", "nvjet", "xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm")
+MATMUL_KERNEL_KEYS = ("gemm", "matmul", "sm90", "cutlass", "nvjet", "xmma", "cublas",  # CUDA kernels
+                      "aten::mm", "aten::addmm", "aten::bmm")  # the CPU's ops
 
 
 def non_matmul_table(kernels: list, dev_attr: str, total_dev_ms: float, rows: int = 15) -> str:
@@ -483,7 +484,8 @@ def time_variants(args, reranker, specs: list[dict], groups: list, check_groups:
         }
         results[spec["name"]] = r
         log(f"{spec['name']:>6}: {pairs:6.2f} pairs/s {tokens:8.0f} tok/s peak {r['peak_gib']:6.1f} GiB "
-            f"MFU {100 * r['mfu']:5.1f}% of measured, {100 * r['mfu_datasheet']:5.1f}% of datasheet  step {med * 1e3:.0f} ms [{min(times) * 1e3:.0f}-{max(times) * 1e3:.0f}]  {spec['label']}")
+            f"MFU {100 * r['mfu']:5.1f}% of measured, {100 * r['mfu_datasheet']:5.1f}% of datasheet  "
+            f"step {med * 1e3:.0f} ms [{min(times) * 1e3:.0f}-{max(times) * 1e3:.0f}]  {spec['label']}")
         optimizer.zero_grad(set_to_none=True)
         if not args.no_score_check and spec["forward"] == "project":
             got = eval_scores(reranker, check_groups)  # the same weights for both: the steps above trained them

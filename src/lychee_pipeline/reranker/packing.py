@@ -171,7 +171,8 @@ def packed_attention_forward(
 
 
 def _shared_prefix_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             cu_seqlens: torch.Tensor, plan: PackPlan, kwargs: dict[str, Any]) -> tuple[torch.Tensor, None]:
+                             cu_seqlens: torch.Tensor, plan: PackPlan,
+                             kwargs: dict[str, Any]) -> tuple[torch.Tensor, None]:
     """Attention of a packed sequence with shared prefixes (``reranker/prefix.py``): a prefix segment causal on
     itself, a suffix on [its prefix + itself], lower-right causal."""
     from .prefix import suffix_mask
