@@ -136,3 +136,34 @@ def test_from_pretrained_takes_prefix_reuse(tiny_dir):
     scorer = Reranker.from_pretrained("builtin:tiny", device="cpu", tiny_cache_dir=tiny_dir, prefix_reuse=True)
     assert scorer.prefix_reuse and scorer.preparation.prefix_reuse
     assert not Reranker.from_pretrained("builtin:tiny", device="cpu", tiny_cache_dir=tiny_dir).prefix_reuse
+
+
+def test_the_variable_length_kernels_inputs_give_the_masked_attention(make_model, tmp_path):
+    """What the CUDA path hands the variable-length flash kernel (queries: the packed sequence cut by the plan;
+    keys: the rows ``key_rows`` gathers, cut by ``cu_seqlens_k``; causal aligned to the bottom right, flash's
+    convention) computes, segment by segment, what the CPU path's masked SDPA computes."""
+    from torch import nn
+    from torch.nn.attention.bias import causal_lower_right
+
+    model = make_model(finetune="frozen")
+    pairs = _pairs(tmp_path, True, True, queries=2, docs=3)
+    collator = PairCollator(model.processor, max_pixels=64 * 28 * 28)
+    packed = packing.pack_batch(model.base_model.model, collator.encode([collator.prepare(p) for p in pairs]),
+                                share_prefixes=True)
+    assert any(p is not None for p in packed.plan.prefixes)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, packed.tokens, 8, generator=gen) for _ in range(3))
+    module = nn.Module()
+    module.is_causal = True
+    masked, _ = packing.packed_attention_forward(module, q, k, v, None,
+                                                 **{packing.PLAN_KWARG: packed.attention_bounds()})
+    bounds_q, bounds_k = packed.cu_seqlens.tolist(), packed.cu_seqlens_k.tolist()
+    assert packed.longest_key == max(b - a for a, b in zip(bounds_k[:-1], bounds_k[1:]))
+    for i in range(len(bounds_q) - 1):
+        rows = packed.key_rows[bounds_k[i] : bounds_k[i + 1]]
+        seg_q = q[:, :, bounds_q[i] : bounds_q[i + 1]]
+        seg_k, seg_v = k[:, :, rows], v[:, :, rows]
+        bias = causal_lower_right(seg_q.shape[2], seg_k.shape[2])
+        expected = torch.nn.functional.scaled_dot_product_attention(seg_q, seg_k, seg_v, attn_mask=bias)
+        torch.testing.assert_close(masked[0, bounds_q[i] : bounds_q[i + 1]], expected[0].transpose(0, 1),
+                                   rtol=0, atol=1e-5)
