@@ -20,7 +20,8 @@ Variants (one process, one model; ``--variants`` picks):
 * levers, appended to a project variant with ``+`` (any combination, e.g. ``c17+pack+liger``):
   ``+pack``    pairs packed into one sequence without padding (``model.pack_pairs``, reranker/packing.py);
   ``+liger``   liger-kernel's fused RMSNorm / SwiGLU / rope (``model.kernels: liger``, reranker/kernels.py);
-  ``+compile`` ``torch.compile`` of every decoder layer (``model.compile_layers``).
+  ``+compile`` ``torch.compile`` of every decoder layer (``model.compile_layers``);
+  ``+fp8``     FP8 matmuls on the frozen base projections (``model.fp8``, torchao; Hopper; one way: list last).
   After each variant its eval-mode yes-no scores on unseen groups are compared with the plain padded
   project step's at the same weights: max |diff|, rankings, flipped document pairs.
 
@@ -36,6 +37,7 @@ lychee_pipeline.training's step and memory model (no kedro, no mlflow).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -128,7 +130,7 @@ def project_logits(reranker: LycheeReranker, batch: dict) -> torch.Tensor:
 # variants
 
 
-LEVERS = ("pack", "liger", "compile")
+LEVERS = ("pack", "liger", "compile", "fp8")
 
 
 def parse_variant(name: str, num_layers: int, auto_layers: dict | None = None) -> dict:
@@ -191,6 +193,25 @@ def set_compile(reranker: LycheeReranker, on: bool) -> None:
             layer._compiled_call_impl = None
 
 
+def set_fp8(reranker: LycheeReranker, on: bool) -> None:
+    """``model.fp8`` on the frozen base projections (the LoRA adapters stay bf16): one way, so ``+fp8`` variants
+    come last. Refused in one line where FP8 cannot run; torchao's emulation on a CPU (the code path only)."""
+    from lychee_pipeline.reranker import fp8
+
+    done = getattr(reranker, "_bench_fp8", False)
+    if on and not done:
+        emulate = reranker.device.type != "cuda"
+        if not emulate:
+            fp8.require_fp8(reranker.device, "lora")
+        elif importlib.util.find_spec("torchao") is None:
+            raise RuntimeError("+fp8 needs torchao (pip install 'lychee_pipeline[gpu]')")
+        count = fp8.apply_fp8(reranker.backbone, qwen2_5_vl.language_models(reranker.backbone), emulate=emulate)
+        reranker._bench_fp8 = True
+        log(f"fp8: {count} frozen base projections run FP8 matmuls{' (EMULATED on the CPU)' if emulate else ''}")
+    elif done and not on:
+        raise RuntimeError("+fp8 converts the model in place: list the +fp8 variants last")
+
+
 def configure(reranker: LycheeReranker, spec: dict) -> None:
     disable_fast_path(reranker)
     if spec["fast"] == "all":
@@ -203,6 +224,7 @@ def configure(reranker: LycheeReranker, spec: dict) -> None:
         packing.enable_packed_attention(reranker)
     reranker.config.pack_pairs = bool(spec.get("pack"))
     set_liger(reranker, bool(spec.get("liger")))
+    set_fp8(reranker, bool(spec.get("fp8")))
     set_compile(reranker, bool(spec.get("compile")))
 
 

@@ -57,3 +57,16 @@ def test_fp8_emulated_covers_the_language_models_projections_only(make_model, im
     model(**batch)[:, 0].sum().backward()
     trained = [n for n, p in model.named_parameters() if p.grad is not None]
     assert trained and all("lora_" in n for n in trained)
+
+
+def test_fp8_on_a_lora_model_keeps_the_adapters_in_bf16(make_model):
+    """Converted after peft (as ``train_step.py``'s ``+fp8`` lever does): only the frozen base layers change."""
+    pytest.importorskip("torchao.float8", reason="torchao is not installed (the gpu extra): FP8 not checked here")
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = make_model(finetune="lora")
+    count = fp8.apply_fp8(model.backbone, model.family.language_models(model.backbone), emulate=True)
+    converted = [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
+    assert count == 7 * len(model.family.decoder_layers(model.backbone))
+    assert not any("lora_" in name for name in converted)
+    assert all(p.requires_grad == ("lora_" in n) for n, p in model.named_parameters() if "visual" not in n)

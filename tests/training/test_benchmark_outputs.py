@@ -49,7 +49,7 @@ def test_inference_prints_rates_mfu_prefix_reuse_and_fp8(benchmarks, tmp_path, c
 def test_train_step_prints_mfu_against_both_peaks_and_profiles(benchmarks, tmp_path, capsys):
     _, train_step = benchmarks
     trace = tmp_path / "step.json"
-    assert train_step.main(["--tiny", "--variants", "c0+pack", "--groups", "2", "--warmup", "1", "--steps", "2",
+    assert train_step.main(["--tiny", "--variants", "c0+pack,c0+pack+fp8", "--groups", "2", "--warmup", "1", "--steps", "2",
                             "--vision-micro", "0", "--check-groups", "0", "--no-grad-check", "--no-score-check",
                             "--profile", str(trace)]) == 0
     out = capsys.readouterr().out
@@ -58,3 +58,7 @@ def test_train_step_prints_mfu_against_both_peaks_and_profiles(benchmarks, tmp_p
     table = out.split("top 15 non-matmul device kernels:")[1].splitlines()[2:17]
     assert table and not any("aten::mm" in row or "addmm" in row for row in table)
     assert json.loads(trace.read_text())["traceEvents"]
+    if "fp8: " in out:  # torchao installed (the gpu extra): the +fp8 lever ran, emulated on the CPU
+        assert "(EMULATED on the CPU)" in out and "c0+pack+fp8" in out.split("summary (")[1]
+    else:
+        assert "c0+pack+fp8: skipped" in out

@@ -53,11 +53,12 @@ def require_fp8(device: torch.device, finetune: str) -> None:
 
 def fp8_linear_filter(language_models: list[nn.Module]):
     """``module_filter_fn`` for torchao: the ``nn.Linear`` layers inside the language model(s), both dimensions
-    divisible by 16; nothing of the vision tower, the embeddings or ``lm_head``."""
+    divisible by 16; nothing of the vision tower, the embeddings or ``lm_head``, and no LoRA adapter (a model that
+    peft has wrapped already keeps its adapters in bf16)."""
     chosen = {id(m) for lm in language_models for m in lm.modules() if isinstance(m, nn.Linear)}
 
     def keep(module: nn.Module, name: str) -> bool:
-        return (id(module) in chosen and module.in_features % _ALIGNMENT == 0
+        return (id(module) in chosen and "lora_" not in name and module.in_features % _ALIGNMENT == 0
                 and module.out_features % _ALIGNMENT == 0)
 
     return keep
