@@ -222,6 +222,23 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+# Datasheet dense bf16 tensor-core peaks (TFLOP/s, without sparsity), by a part of the device name; the first
+# match wins, so the specific names come before the general ones
+DATASHEET_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200", 989.0), ("H100", 989.0),
+                         ("A100", 312.0), ("L40S", 362.0), ("RTX 4090", 165.0))
+
+
+def datasheet_tflops(device: torch.device) -> tuple[float, str]:
+    """(the datasheet's dense bf16 peak, the part it is for) for a CUDA device; (nan, why) elsewhere."""
+    if device.type != "cuda":
+        return float("nan"), "no datasheet peak for a CPU"
+    name = torch.cuda.get_device_name(device)
+    for part, peak in DATASHEET_BF16_TFLOPS:
+        if part.lower() in name.lower():
+            return peak, f"{part} datasheet dense bf16"
+    return float("nan"), f"no datasheet peak known for {name}"
+
+
 def mfu(useful_flops_per_s: float, tflops: float) -> float:
     return useful_flops_per_s / (tflops * 1e12) if tflops > 0 and math.isfinite(tflops) else float("nan")
 

@@ -63,10 +63,10 @@ WORDS, log = common.WORDS, common.log
 
 
 def make_pairs(processor, n_queries: int, docs_per_query: int, text_tokens: int, jitter: float, side: int, seed: int,
-               image_paths: list[str] | None = None):
-    """(query, doc) pairs: text-only queries, documents with text and one side x side image (or the next of
-    ``image_paths``, as a path); each pair has ``text_tokens`` +- ``jitter`` text tokens in all (prompt template
-    and query included)."""
+               image_paths: list[str] | None = None, query_images: bool = False):
+    """(query, doc) pairs: text-only queries (``query_images``: each with an image too, as a multimodal query has
+    it), documents with text and one side x side image (or the next of ``image_paths``, as a path); each pair has
+    ``text_tokens`` +- ``jitter`` text tokens in all (prompt template and query included)."""
     from PIL import Image
 
     tokenizer = processor.tokenizer
@@ -84,9 +84,16 @@ def make_pairs(processor, n_queries: int, docs_per_query: int, text_tokens: int,
         ids = tokenizer(text, add_special_tokens=False)["input_ids"][:n_tokens]
         return tokenizer.decode(ids)
 
+    def query_image(q: int):
+        if not query_images:
+            return None
+        if image_paths:
+            return image_paths[(q * 7 + 3) % len(image_paths)]
+        return Image.fromarray((torch.rand(side, side, 3, generator=rng) * 255).to(torch.uint8).numpy())
+
     pairs = []
     for q in range(n_queries):
-        query = {"text": text_of(20), "image": None}
+        query = {"text": text_of(20), "image": query_image(q)}
         # text tokens of the prompt without document text: template, instruction, query, vision start/end
         overhead = collator.prepare((query, {"text": "x", "image": None}))[2] + 1
         for d in range(docs_per_query):
@@ -253,7 +260,108 @@ def compare(ref: list[float], other: list[float], per_query: int) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+class WorkCounter:
+    """Tokens and vision patches the model actually runs, summed over forwards: a packed batch's tokens (with
+    shared prefixes, each prefix once) or a padded batch's rows x longest row, and the pixel rows (patches)."""
+
+    def __init__(self, *modules):
+        self.tokens = self.patches = 0
+        self.handles = [m.register_forward_pre_hook(self, with_kwargs=True) for m in modules]
+
+    def __call__(self, module, args, kwargs):
+        packed = kwargs.get("packed")
+        if packed is not None:
+            self.tokens += packed.tokens
+            pixels = packed.pixel_values
+        else:
+            self.tokens += int(kwargs["input_ids"].numel())
+            pixels = kwargs.get("pixel_values")
+        self.patches += int(pixels.shape[0]) if pixels is not None else 0
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def rates(pairs: int, seconds: float, work: WorkCounter, params: tuple[int, int], peaks: dict) -> dict:
+    """pairs/s, tokens/s (tokens the model ran) and MFU: forward-only FLOPs 2 x LM params x tokens + 2 x vision
+    params x patches over each named peak (the measured bf16 matmul rate, the datasheet's)."""
+    n_lm, n_vis = params
+    flops = 2 * n_lm * work.tokens + 2 * n_vis * work.patches
+    out = {"pairs_per_s": pairs / seconds, "seconds": seconds, "tokens_run": work.tokens,
+           "tokens_per_s": work.tokens / seconds, "patches_run": work.patches}
+    out.update({f"mfu_{name}": common.mfu(flops / seconds, tflops) for name, (tflops, _) in peaks.items()})
+    return out
+
+
+def timed_with_work(fn, device: torch.device, model, pairs: int, params: tuple[int, int], peaks: dict,
+                    *extra_modules) -> tuple[list[float], dict]:
+    """``fn()`` timed, with the tokens and patches the model ran counted: (its scores, :func:`rates`)."""
+    work = WorkCounter(model, *extra_modules)
+    try:
+        out, secs = timed(fn, device)
+    finally:
+        work.remove()
+    return out, rates(pairs, secs, work, params, peaks)
+
+
+def time_core(reranker, pairs, batch_size: int, options: dict, device, params, peaks, label: str) -> dict:
+    """One core scorer (``Reranker`` with ``options``) warmed up, then timed over ``pairs`` with its work counted."""
+    scorer = Reranker(reranker, batch_size=batch_size, **options)
+    scorer.score_pairs(pairs[:16])
+    common.reset_peak(device)
+    scores, r = timed_with_work(lambda: scorer.score_pairs(pairs), device, reranker, len(pairs), params, peaks)
+    r.update(peak_gib=common.peak_gib(device), scores=scores, label=label)
+    return r
+
+
+def prefix_variant(reranker, pairs, args, pipeline: dict, device, params, peaks, plain: list[float]) -> dict:
+    """The core with ``prefix_reuse=True`` beside the plain core: its rates and tokens, its scores against the
+    plain core's."""
+    r = time_core(reranker, pairs, args.batch_size, {**pipeline, "prefix_reuse": True}, device, params, peaks,
+                  f"Reranker.score_pairs(prefix_reuse=True), batch {args.batch_size}: a query's prefix once a batch")
+    r["vs_core"] = compare(plain, r["scores"], args.docs)
+    return r
+
+
+def fp8_variants(reranker, pairs, args, pipeline: dict, device, params, peaks, bf16_scores: list[float]) -> dict:
+    """``model.fp8`` beside bf16 in the same run: fp32 reference scores on ``--fp8-check`` pairs (the model cast to
+    fp32 and back: bf16 -> fp32 -> bf16 is exact); with ``--compile`` the bf16 core with compiled decoder layers
+    (the fair baseline: torchao's casts fuse only when compiled); then the language model's projections converted
+    to FP8 (torchao; emulated on a CPU, where the rate means nothing) and the core timed. |dlogit| against fp32
+    for bf16 and for FP8."""
+    from lychee_pipeline.reranker import fp8
+    from lychee_pipeline.reranker.kernels import compile_decoder_layers
+
+    sub = pairs[: args.fp8_check]
+    def tensors():
+        return [*reranker.named_parameters(), *reranker.named_buffers()]
+
+    dtypes = {name: t.dtype for name, t in tensors()}  # per tensor: buffers kept in fp32 stay so
+    reranker.to(torch.float32)
+    fp32 = Reranker(reranker, batch_size=args.batch_size, **pipeline).score_pairs(sub)
+    for name, tensor in tensors():  # .to() replaced the buffers: cast back what the module holds now
+        tensor.data = tensor.data.to(dtypes[name])
+    out = {"bf16_vs_fp32": compare(fp32, bf16_scores[: len(sub)], args.docs)}
+    refusal = fp8.fp8_refusal(device, "frozen")
+    if refusal is not None and device.type == "cuda":
+        out["skipped"] = refusal
+        return out
+    emulated = device.type != "cuda"
+    if args.compile:
+        compile_decoder_layers(reranker.backbone)
+        out["core-compiled"] = time_core(reranker, pairs, args.batch_size, pipeline, device, params, peaks,
+                                         f"the core, bf16, compiled decoder layers, batch {args.batch_size}")
+    count = fp8.apply_fp8(reranker.backbone, reranker.family.language_models(reranker.backbone), emulate=emulated)
+    r = time_core(reranker, pairs, args.batch_size, pipeline, device, params, peaks,
+                  f"the core with model.fp8 ({count} Float8Linear{', EMULATED on the CPU' if emulated else ''}"
+                  f"{', compiled layers' if args.compile else ''}), batch {args.batch_size}")
+    r["fp8_vs_fp32"] = compare(fp32, r["scores"][: len(sub)], args.docs)
+    out["core-fp8"] = r
+    return out
+
+
+def argument_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--queries", type=int, default=64)
@@ -265,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny-dir", default=None, help="where to build the tiny processor (default: a temp folder)")
     parser.add_argument("--images", choices=("memory", "jpeg800", "mixed"), default="memory",
                         help="in-memory 448x448 images (default) or JPEG files: 800x800 or mixed sizes")
+    parser.add_argument("--query-images", action="store_true", help="every query has an image too (multimodal "
+                        "queries: the prefix a query's candidates share holds its image)")
     parser.add_argument("--text-tokens", type=int, default=None, help="mean text tokens per pair")
     parser.add_argument("--jpeg-count", type=int, default=48, help="distinct JPEG files (cycled over documents)")
     parser.add_argument("--workers", default="auto", help="the core's prepare_workers (host threads; auto: 2 with "
@@ -275,16 +385,19 @@ def main(argv: list[str] | None = None) -> int:
                                                                "batch; auto: batch/4 on a GPU, 0 on a CPU)")
     parser.add_argument("--previous", action="store_true", help="also time the core as it was before the pool and "
                                                                  "the first-batch split (one thread, no split)")
+    parser.add_argument("--prefix-reuse", action="store_true", help="also time the core with prefix_reuse=True "
+                        "(core-prefix: a query's shared prefix once per batch) beside the plain core")
+    parser.add_argument("--fp8", action="store_true", help="last: fp32 reference scores, then the core with "
+                        "model.fp8 (core-fp8, torchao float8; Hopper; emulated on a CPU) beside bf16")
+    parser.add_argument("--fp8-check", type=int, default=64, help="pairs compared with fp32 for --fp8")
+    parser.add_argument("--compile", action="store_true", help="with --fp8: compile the decoder layers, and time "
+                        "the bf16 core compiled too (core-compiled) as FP8's baseline")
     common.add_run_args(parser, seed=7)
-    args = parser.parse_args(argv)
-    device, dtype = common.pick_device(parser, args)
-    env = common.environment(device)
-    log(f"env {json.dumps(env)}")
-    tiny_dir = args.tiny_dir or tempfile.mkdtemp(prefix="lychee_tiny_")
-    t0 = time.perf_counter()
-    reranker = build(args.tiny, device, dtype, tiny_dir)
-    log(f"model built in {time.perf_counter() - t0:.1f} s")
+    return parser
 
+
+def make_inputs(args, reranker, tiny_dir: str) -> list:
+    """The benchmark's pairs (JPEG files written first for --images jpeg800 / mixed)."""
     text_tokens, side = (120, 224) if args.tiny else (600, 448)
     text_tokens = args.text_tokens or text_tokens
     paths = None
@@ -296,20 +409,174 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{len(paths)} {args.images} JPEG files written in {time.perf_counter() - t0:.1f} s "
             f"({sum(Path(p).stat().st_size for p in paths) / len(paths) / 1024:.0f} KiB each)")
     t0 = time.perf_counter()
-    pairs = make_pairs(reranker.processor, args.queries, args.docs, text_tokens, 0.5, side, args.seed, paths)
+    pairs = make_pairs(reranker.processor, args.queries, args.docs, text_tokens, 0.5, side, args.seed, paths,
+                       args.query_images)
     lengths = [PairCollator(reranker.processor).prepare(p)[2] for p in pairs[:64]]
     log(f"{len(pairs)} pairs made in {time.perf_counter() - t0:.1f} s; tokens/pair incl. image (first 64): mean "
         f"{statistics.mean(lengths):.0f}, min {min(lengths)}, max {max(lengths)}")
+    return pairs
 
-    warm = pairs[:16]
-    results = {}
-    ref = None
+
+def peaks_of(device: torch.device) -> dict:
+    """The rates MFU is reported against, named: the bf16 matmul rate measured now, the datasheet's peak."""
+    measured = common.matmul_tflops(device)
+    return {"measured": (measured, "bf16 8192^3 measured in this run" if device.type == "cuda" else "fp32 CPU"),
+            "datasheet": common.datasheet_tflops(device)}
+
+
+def run_core_variants(args, reranker, pairs, device, params, peaks, ref, pipeline: dict, results: dict,
+                      scores: dict) -> None:
+    """The core scorer variants (``core`` and those the flags ask for), timed end to end with their host phases."""
+    variants = [("core-nofast", args.batch_size, False, pipeline)] if args.attribute else []
+    variants += [("core", args.batch_size, True, pipeline)]
+    if args.previous:
+        variants += [("core-previous", args.batch_size, True, {"prepare_workers": 1, "first_batch": 0})]
+    for bs in [int(b) for b in args.overlap.split(",") if b.strip()]:
+        variants.append((f"core-b{bs}", bs, True, pipeline))
+    for name, bs, fast, options in variants:
+        disable_fast_path(reranker)
+        if fast:
+            qwen2_5_vl.enable_fast_path(reranker)
+        scorer = Reranker(reranker, batch_size=bs, **options)
+        scorer.score_pairs(pairs[:16])
+        phases = instrument_all(scorer)
+        common.reset_peak(device)
+        first = first_forward_clock(reranker)
+        began = time.perf_counter()
+        scores[name], r = timed_with_work(lambda: scorer.score_pairs(pairs), device, reranker, len(pairs), params,
+                                          peaks)
+        first["handle"].remove()
+        phases = phases["sum"]()
+        bounds = scorer.chunk_bounds(len(pairs))
+        results[name] = {**r, "peak_gib": common.peak_gib(device),
+                         "host_prepare_s": phases["prepare_s"], "host_decode_s": phases["decode_s"],
+                         "host_encode_s": phases["encode_s"], "first_forward_after_s": first["t"] - began,
+                         "prepare_workers": scorer.preparation.threads(), "first_chunk": bounds[0][1] if bounds else 0,
+                         "batches": sum(-(-(e - s) // bs) for s, e in bounds),
+                         "label": f"Reranker.score_pairs, batch {bs} length-sorted, last-position logits"
+                                  + (", fast vision" if fast else ", stock vision"),
+                         **({"vs_naive": compare(ref, scores[name], args.docs)} if ref is not None else {})}
+
+
+def run_device_alone(args, reranker, pairs, device, params, peaks, pipeline: dict, results: dict, scores: dict) -> None:
+    """JPEG paths: the core with host work in line (no overlap), and the device alone on the same batches."""
+    disable_fast_path(reranker)
+    qwen2_5_vl.enable_fast_path(reranker)
+    serial = Reranker(reranker, batch_size=args.batch_size, prefetch_batches=0, **pipeline)
+    common.reset_peak(device)
+    scores["core-serial"], r = timed_with_work(lambda: serial.score_pairs(pairs), device, reranker, len(pairs),
+                                               params, peaks)
+    results["core-serial"] = {**r, "peak_gib": common.peak_gib(device),
+                              "label": f"Reranker.score_pairs, batch {args.batch_size}, host work in line "
+                                       "(prefetch_batches=0)",
+                              "same_scores_as_core": scores["core-serial"] == scores["core"]}
+    common.reset_peak(device)
+    work = WorkCounter(reranker)
+    scores["gpu-only"], secs, n_batches = gpu_only(Reranker(reranker, batch_size=args.batch_size, **pipeline),
+                                                   pairs, device)
+    work.remove()
+    results["gpu-only"] = {**rates(len(pairs), secs, work, params, peaks), "peak_gib": common.peak_gib(device),
+                           "label": f"the same {n_batches} batches encoded beforehand, on the device: forward only",
+                           "same_scores_as_core": scores["gpu-only"] == scores["core"]}
+
+
+def variant_line(name: str, r: dict) -> str:
+    """One variant's summary line: pairs/s, tokens/s, MFU against both peaks, and what it compared to."""
+    extra = ""
+    if "vs_naive" in r:
+        c = r["vs_naive"]
+        extra = (f"  max |dp| {c['max_abs_prob_diff']:.2e}, max |dlogit| {c['max_abs_logit_diff']:.2e}, same ranking "
+                 f"{c['queries_same_ranking']}/{c['queries']} queries, same top-1 "
+                 f"{c['queries_same_top1']}/{c['queries']}"
+                 f"; discordant doc pairs {c['discordant_doc_pairs']}/{c['doc_pairs']}, largest naive logit gap among "
+                 f"them {c['max_ref_logit_gap_of_discordant']:.2e}")
+    if "host_prepare_s" in r:
+        extra += (f"; host prepare {r['host_prepare_s']:.1f} s, image decode {r['host_decode_s']:.1f} s, "
+                  f"encode {r['host_encode_s']:.1f} s (summed over {r['prepare_workers']} thread(s)); first "
+                  f"forward after {r['first_forward_after_s']:.2f} s (first chunk {r['first_chunk']} pairs, "
+                  f"{r['batches']} batches)")
+    return (f"{name:>14}: {r['pairs_per_s']:6.2f} pairs/s {r.get('tokens_per_s', float('nan')):8.0f} tok/s MFU "
+            f"{100 * r.get('mfu_measured', float('nan')):5.1f}% meas "
+            f"{100 * r.get('mfu_datasheet', float('nan')):5.1f}% "
+            f"spec ({r['seconds']:.1f} s) peak {r['peak_gib']:.1f} GiB  {r['label']}{extra}")
+
+
+def print_summary(args, env: dict, peaks: dict, results: dict, n_pairs: int) -> None:
+    log("")
+    log(f"inference summary ({env.get('gpu')}, torch {env['torch']}, transformers {env['transformers']}), {n_pairs} "
+        f"pairs; MFU = forward FLOPs (2 x LM params x tokens run + 2 x vision params x patches) over "
+        f"{peaks['measured'][0]:.0f} TFLOP/s ({peaks['measured'][1]}: 'meas') and {peaks['datasheet'][0]:.0f} "
+        f"TFLOP/s ({peaks['datasheet'][1]}: 'spec')")
+    for name, r in results.items():
+        if isinstance(r, dict) and "pairs_per_s" in r:
+            log(variant_line(name, r))
+    if "fast_vs_stock_vision" in results:
+        c = results["fast_vs_stock_vision"]
+        log(f"fast vs stock vision path, same scorer, {args.fast_check} pairs: max |dp| {c['max_abs_prob_diff']:.2e}, "
+            f"same ranking {c['queries_same_ranking']}/{c['queries']} queries, discordant doc pairs {c['discordant_doc_pairs']}")
+    naive = results.get("naive")
+    for name, r in list(results.items()):
+        if isinstance(r, dict) and "pairs_per_s" in r and name != "naive" and naive is not None:
+            log(f"{name} / naive: {r['pairs_per_s'] / naive['pairs_per_s']:.2f}x")
+    core = results["core"]
+    if "core-prefix" in results:
+        r, c = results["core-prefix"], results["core-prefix"]["vs_core"]
+        log(f"prefix reuse: {r['pairs_per_s'] / core['pairs_per_s']:.2f}x the plain core's pairs/s; tokens run "
+            f"{r['tokens_run']} against {core['tokens_run']} ({100 * (1 - r['tokens_run'] / core['tokens_run']):.1f}% "
+            f"saved); against the plain core: max |dlogit| {c['max_abs_logit_diff']:.2e}, same ranking "
+            f"{c['queries_same_ranking']}/{c['queries']} queries")
+    if "core-fp8" in results or "skipped" in results:
+        base = results.get("core-compiled", core)
+        b = results["bf16_vs_fp32"]
+        line = f"fp8: skipped: {results['skipped']}" if "skipped" in results else (
+            f"fp8: {results['core-fp8']['pairs_per_s'] / base['pairs_per_s']:.2f}x the bf16 core's pairs/s "
+            f"({'compiled both' if 'core-compiled' in results else 'eager both'}); |dlogit| against fp32 on "
+            f"{args.fp8_check} pairs: fp8 max {results['core-fp8']['fp8_vs_fp32']['max_abs_logit_diff']:.3e} "
+            f"mean-|dp| {results['core-fp8']['fp8_vs_fp32']['mean_abs_prob_diff']:.3e}, same ranking "
+            f"{results['core-fp8']['fp8_vs_fp32']['queries_same_ranking']}/{b['queries']}; bf16 max "
+            f"{b['max_abs_logit_diff']:.3e} mean-|dp| {b['mean_abs_prob_diff']:.3e}, same ranking "
+            f"{b['queries_same_ranking']}/{b['queries']}")
+        log(line)
+    speedup = core["pairs_per_s"] / naive["pairs_per_s"] if naive is not None else None
+    results["ratio_core_over_naive"] = speedup
+    if "gpu-only" in results:
+        of_gpu = core["pairs_per_s"] / results["gpu-only"]["pairs_per_s"]
+        results["ratio_core_over_gpu_only"] = of_gpu
+        met = of_gpu >= 0.95 and (speedup is None or speedup >= 2.5)
+        against_naive = "naive not run" if speedup is None else f"{speedup:.2f} x naive (target >= 2.5, aim 3)"
+        log(f"JPEG paths ({args.images}): core end to end = {of_gpu:.2f} x its GPU-only rate (target >= 0.95), "
+            f"{against_naive}; core-serial {results['core-serial']['pairs_per_s']:.2f} "
+            f"pairs/s; same scores core / serial / gpu-only: {results['core-serial']['same_scores_as_core']} / "
+            f"{results['gpu-only']['same_scores_as_core']} -> {'targets met' if met else 'TARGETS MISSED'}")
+    if naive is not None:
+        c = core["vs_naive"]
+        log(f"core / naive: {speedup:.2f}x; rankings identical for {c['queries_same_ranking']}/{c['queries']} queries "
+            f"(smallest neighbour gap in the naive scores {c['min_neighbour_gap_ref']:.2e})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argument_parser()
+    args = parser.parse_args(argv)
+    device, dtype = common.pick_device(parser, args)
+    env = common.environment(device)
+    log(f"env {json.dumps(env)}")
+    peaks = peaks_of(device)
+    tiny_dir = args.tiny_dir or tempfile.mkdtemp(prefix="lychee_tiny_")
+    t0 = time.perf_counter()
+    reranker = build(args.tiny, device, dtype, tiny_dir)
+    params = common.count_params(reranker)[:2]
+    log(f"model built in {time.perf_counter() - t0:.1f} s; MFU against {peaks['measured'][0]:.0f} TFLOP/s "
+        f"({peaks['measured'][1]}) and {peaks['datasheet'][0]:.0f} TFLOP/s ({peaks['datasheet'][1]})")
+    pairs = make_inputs(args, reranker, tiny_dir)
+
+    results, scores, ref = {}, {}, None
     if not args.skip_naive:  # naive loop (stock path)
         disable_fast_path(reranker)
-        naive_scores(reranker, warm)
+        naive_scores(reranker, pairs[:16])
         common.reset_peak(device)
-        ref, secs = timed(lambda: naive_scores(reranker, pairs), device)
-        results["naive"] = {"pairs_per_s": len(pairs) / secs, "seconds": secs, "peak_gib": common.peak_gib(device),
+        ref, r = timed_with_work(lambda: naive_scores(reranker, pairs), device, reranker.base_model, len(pairs),
+                                 params, peaks)
+        results["naive"] = {**r, "peak_gib": common.peak_gib(device),
                             "label": "batch 8 in input order, padded, full logits, stock vision"}
 
     # the core as Reranker.from_pretrained sets a model up by default: fused kernels (model.kernels: auto, liger on
@@ -319,54 +586,13 @@ def main(argv: list[str] | None = None) -> int:
     varlen = packing.varlen_attention_ready(device)
     log(f"core set-up: fused kernels {kernels}, pairs packed (the library's defaults), attention over the packed "
         f"pairs: {'one variable-length call per layer' if varlen else 'one SDPA call per pair'}")
-
     pipeline = {"prepare_workers": args.workers if args.workers == "auto" else int(args.workers),
                 "first_batch": args.first_batch if args.first_batch == "auto" else int(args.first_batch)}
-    variants = [("core-nofast", Reranker, args.batch_size, False, pipeline)] if args.attribute else []
-    variants += [("core", Reranker, args.batch_size, True, pipeline)]
-    if args.previous:
-        variants += [("core-previous", Reranker, args.batch_size, True, {"prepare_workers": 1, "first_batch": 0})]
-    for bs in [int(b) for b in args.overlap.split(",") if b.strip()]:
-        variants.append((f"core-b{bs}", Reranker, bs, True, pipeline))
-    scores = {}
-    for name, cls, bs, fast, options in variants:
-        disable_fast_path(reranker)
-        if fast:
-            qwen2_5_vl.enable_fast_path(reranker)
-        scorer = cls(reranker, batch_size=bs, **options)
-        scorer.score_pairs(warm)
-        phases = instrument_all(scorer)
-        common.reset_peak(device)
-        first = first_forward_clock(reranker)
-        began = time.perf_counter()
-        scores[name], secs = timed(lambda: scorer.score_pairs(pairs), device)
-        first["handle"].remove()
-        phases = phases["sum"]()
-        bounds = scorer.chunk_bounds(len(pairs))
-        results[name] = {"pairs_per_s": len(pairs) / secs, "seconds": secs, "peak_gib": common.peak_gib(device),
-                         "host_prepare_s": phases["prepare_s"], "host_decode_s": phases["decode_s"],
-                         "host_encode_s": phases["encode_s"], "first_forward_after_s": first["t"] - began,
-                         "prepare_workers": scorer.preparation.threads(), "first_chunk": bounds[0][1] if bounds else 0,
-                         "batches": sum(-(-(e - s) // bs) for s, e in bounds),
-                         "label": f"{cls.__name__}.score_pairs, batch {bs} length-sorted, last-position logits"
-                                  + (", fast vision" if fast else ", stock vision"),
-                         **({"vs_naive": compare(ref, scores[name], args.docs)} if ref is not None else {})}
-    if args.images != "memory":  # host work in line (no overlap), and the device alone on the same batches
-        disable_fast_path(reranker)
-        qwen2_5_vl.enable_fast_path(reranker)
-        serial = Reranker(reranker, batch_size=args.batch_size, prefetch_batches=0, **pipeline)
-        common.reset_peak(device)
-        scores["core-serial"], secs = timed(lambda: serial.score_pairs(pairs), device)
-        results["core-serial"] = {"pairs_per_s": len(pairs) / secs, "seconds": secs, "peak_gib": common.peak_gib(device),
-                                  "label": f"Reranker.score_pairs, batch {args.batch_size}, host work in line "
-                                           "(prefetch_batches=0)",
-                                  "same_scores_as_core": scores["core-serial"] == scores["core"]}
-        common.reset_peak(device)
-        scores["gpu-only"], secs, n_batches = gpu_only(Reranker(reranker, batch_size=args.batch_size, **pipeline),
-                                                       pairs, device)
-        results["gpu-only"] = {"pairs_per_s": len(pairs) / secs, "seconds": secs, "peak_gib": common.peak_gib(device),
-                               "label": f"the same {n_batches} batches encoded beforehand, on the device: forward only",
-                               "same_scores_as_core": scores["gpu-only"] == scores["core"]}
+    run_core_variants(args, reranker, pairs, device, params, peaks, ref, pipeline, results, scores)
+    if args.prefix_reuse:
+        results["core-prefix"] = prefix_variant(reranker, pairs, args, pipeline, device, params, peaks, scores["core"])
+    if args.images != "memory":
+        run_device_alone(args, reranker, pairs, device, params, peaks, pipeline, results, scores)
     if args.fast_check > 0:  # the fast vision path alone: same scorer, same batches, with and without it
         sub = pairs[: args.fast_check]
         disable_fast_path(reranker)
@@ -374,54 +600,17 @@ def main(argv: list[str] | None = None) -> int:
         qwen2_5_vl.enable_fast_path(reranker)
         s_fast = Reranker(reranker, batch_size=args.batch_size).score_pairs(sub)
         results["fast_vs_stock_vision"] = compare(s_stock, s_fast, args.docs)
-
-    log("")
-    log(f"inference summary ({env.get('gpu')}, torch {env['torch']}, transformers {env['transformers']}), {len(pairs)} pairs")
-    for name, r in results.items():
-        if not isinstance(r, dict) or "pairs_per_s" not in r:
-            continue
-        extra = ""
-        if "vs_naive" in r:
-            c = r["vs_naive"]
-            extra = (f"  max |dp| {c['max_abs_prob_diff']:.2e}, max |dlogit| {c['max_abs_logit_diff']:.2e}, same ranking "
-                     f"{c['queries_same_ranking']}/{c['queries']} queries, same top-1 {c['queries_same_top1']}/{c['queries']}")
-        if "host_prepare_s" in r:
-            extra += (f"; host prepare {r['host_prepare_s']:.1f} s, image decode {r['host_decode_s']:.1f} s, "
-                      f"encode {r['host_encode_s']:.1f} s (summed over {r['prepare_workers']} thread(s)); first "
-                      f"forward after {r['first_forward_after_s']:.2f} s (first chunk {r['first_chunk']} pairs, "
-                      f"{r['batches']} batches)")
-        if "discordant_doc_pairs" in r.get("vs_naive", {}):
-            c = r["vs_naive"]
-            extra += (f"; discordant doc pairs {c['discordant_doc_pairs']}/{c['doc_pairs']}, largest naive logit gap among "
-                      f"them {c['max_ref_logit_gap_of_discordant']:.2e}")
-        log(f"{name:>12}: {r['pairs_per_s']:6.2f} pairs/s ({r['seconds']:.1f} s) peak {r['peak_gib']:.1f} GiB  {r['label']}{extra}")
-    if "fast_vs_stock_vision" in results:
-        c = results["fast_vs_stock_vision"]
-        log(f"fast vs stock vision path, same scorer, {args.fast_check} pairs: max |dp| {c['max_abs_prob_diff']:.2e}, "
-            f"same ranking {c['queries_same_ranking']}/{c['queries']} queries, discordant doc pairs {c['discordant_doc_pairs']}")
-    for name, r in list(results.items()):
-        if isinstance(r, dict) and "pairs_per_s" in r and name != "naive" and ref is not None:
-            log(f"{name} / naive: {r['pairs_per_s'] / results['naive']['pairs_per_s']:.2f}x")
-    speedup = results["core"]["pairs_per_s"] / results["naive"]["pairs_per_s"] if ref is not None else None
-    results["ratio_core_over_naive"] = speedup
-    if "gpu-only" in results:
-        of_gpu = results["core"]["pairs_per_s"] / results["gpu-only"]["pairs_per_s"]
-        results["ratio_core_over_gpu_only"] = of_gpu
-        met = of_gpu >= 0.95 and (speedup is None or speedup >= 2.5)
-        against_naive = "naive not run" if speedup is None else f"{speedup:.2f} x naive (target >= 2.5, aim 3)"
-        log(f"JPEG paths ({args.images}): core end to end = {of_gpu:.2f} x its GPU-only rate (target >= 0.95), "
-            f"{against_naive}; core-serial {results['core-serial']['pairs_per_s']:.2f} "
-            f"pairs/s; same scores core / serial / gpu-only: {results['core-serial']['same_scores_as_core']} / "
-            f"{results['gpu-only']['same_scores_as_core']} -> {'targets met' if met else 'TARGETS MISSED'}")
-    if ref is not None:
-        c = results["core"]["vs_naive"]
-        log(f"core / naive: {speedup:.2f}x; rankings identical for {c['queries_same_ranking']}/{c['queries']} queries "
-            f"(smallest neighbour gap in the naive scores {c['min_neighbour_gap_ref']:.2e})")
+    if args.fp8:  # last: it converts the model in place
+        results.update(fp8_variants(reranker, pairs, args, pipeline, device, params, peaks, scores["core"]))
+    print_summary(args, env, peaks, results, len(pairs))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         name = "inference" + ("" if args.images == "memory" else f"_{args.images}") + ("_tiny" if args.tiny else "")
+        for r in results.values():
+            if isinstance(r, dict):
+                r.pop("scores", None)
         (args.out / f"{name}.json").write_text(
-            json.dumps({"env": env, "results": results}, indent=1, default=str) + "\n")
+            json.dumps({"env": env, "peaks_tflops": peaks, "results": results}, indent=1, default=str) + "\n")
     return 0
 
 

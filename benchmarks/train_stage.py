@@ -197,6 +197,25 @@ def model_spec(args, folder: Path) -> dict:
             "compile_layers": args.compile_layers}
 
 
+def budget_refusal(folder: Path, counts: list[int], args) -> str | None:
+    """With ``--checkpoint-layers auto``: the one line saying which setting to change when the memory model
+    (training/memory.py) predicts that the stage cannot fit ``--memory-budget-gib`` even with every decoder layer
+    checkpointed (None when it fits: the stage then plans its layers within the budget itself). The weights are
+    the model folder's safetensors (saved in the dtype the stage loads)."""
+    from lychee_pipeline.training import memory
+
+    if args.checkpoint_layers != "auto":
+        return None
+    config = json.loads((folder / "config.json").read_text())
+    text = config.get("text_config", config)
+    weight_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    tokens = memory.longest_micro_batch_tokens(counts, args.group_size, packed=args.pack_pairs)
+    choice = memory.choose_checkpoint_layers(tokens, int(text["hidden_size"]), int(text["num_hidden_layers"]),
+                                             weight_bytes, args.memory_budget_gib)
+    log(f"memory model: {choice.describe()}")
+    return memory.over_budget_advice(choice, int(text["hidden_size"]), weight_bytes, args.group_size)
+
+
 def run_real_stage(args, work: Path, data: Path, folder: Path, device_type: str, label: str) -> dict:
     from lychee_pipeline.training.stage import StageSpec
     from lychee_pipeline.training.stage_launch import run_stage
@@ -345,7 +364,12 @@ def argument_parser() -> argparse.ArgumentParser:
                              "leaves out start-up (workers, allocator, first read-backs)")
     parser.add_argument("--workers", default="auto", help="training.dataloader.num_workers of the stage")
     parser.add_argument("--checkpoint-layers", default="auto", help="auto (the memory budget picks) or a count")
-    parser.add_argument("--memory-budget-gib", type=float, default=40.0)
+    parser.add_argument("--memory-budget-gib", type=float, default=40.0,
+                        help="training.memory_budget_gib of the stage (auto checkpointing plans within it); where the "
+                             "memory model predicts no fit even with every layer checkpointed, one line says which "
+                             "setting to change and the stage is not run")
+    parser.add_argument("--no-step", action="store_true", help="leave the isolated step out (the stage against the "
+                        "memory budget alone, e.g. --memory-budget-gib 22, 38, 70 in less device time)")
     parser.add_argument("--pack-pairs", action=argparse.BooleanOptionalAction, default=True,
                         help="model.pack_pairs (the project's default: on): pairs packed without padding")
     parser.add_argument("--kernels", choices=("auto", "liger", "none"), default="auto",
@@ -373,7 +397,17 @@ def print_summary(results: dict, args, env: dict, device: torch.device) -> bool:
         f"{'stage GiB':>10} {'step GiB':>9} {'ckpt':>5}  verdict")
     ok_all = True
     for label, r in results["lengths"].items():
+        if "refused" in r:
+            log(f"{label:>8} not run: {r['refused']}")
+            continue
         stage_peak = max(r["stage"]["peak_mem_gib"])
+        if r.get("step") is None:  # --no-step: the stage against the budget alone
+            ok = stage_peak <= args.memory_budget_gib or device.type != "cuda"
+            ok_all &= ok
+            ckpt = (r["stage"].get("activation_checkpointing") or {}).get("layers", "?")
+            log(f"{label:>8} stage {r['stage_window']['pairs_per_s']:.2f} pairs/s, peak {stage_peak:.1f} GiB, "
+                f"{ckpt} layers checkpointed: {'within' if ok else 'OVER'} the {args.memory_budget_gib:.0f} GiB budget")
+            continue
         ok = r["ratio_stage_over_step"] >= 0.95 and (stage_peak <= args.memory_budget_gib or device.type != "cuda")
         ok_all &= ok
         w = r["stage_window"]
@@ -385,6 +419,22 @@ def print_summary(results: dict, args, env: dict, device: torch.device) -> bool:
     if device.type != "cuda":
         log("(CPU: peak is the process's max RSS in GiB; the targets are for one H200)")
     return ok_all
+
+
+def compare_with_step(args, stage: dict, window: dict, data: Path, folder: Path, device: torch.device,
+                      layers: int) -> dict:
+    """The isolated step at the stage's shape and checkpointed layers, and the stage's rate against it."""
+    step = isolated_step(args, data, folder, device, layers, args.step_steps)
+    ratio = window["pairs_per_s"] / step["pairs_per_s"]
+    log(f"isolated step: {step['pairs_per_s']:.2f} pairs/s over {step['steps']} steps without a sync between "
+        f"them (mean {1e3 * step['mean_step_s']:.0f} ms, median {1e3 * step['median_step_s']:.0f} ms), "
+        f"peak {step['peak_gib']:.1f} GiB, {step['tokens_per_pair']:.0f} tokens/pair, "
+        f"collator {step['collate_ms_per_group']:.0f} ms/group on this host (one process)")
+    log(f"isolated step, steps 2-{step['steps']}: {describe_timing(step['timing'])}")
+    log(f"stage / isolated step over {window['steps']} vs {step['steps']} steps: {ratio:.2f} "
+        f"(stage steps 2-{stage['steps']}: {stage['pairs_per_s'] / step['pairs_per_s']:.2f})")
+    return {"step": step, "ratio_stage_over_step": ratio,
+            "ratio_all_stage_steps_over_step": stage["pairs_per_s"] / step["pairs_per_s"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -430,6 +480,11 @@ def main(argv: list[str] | None = None) -> int:
         data, counts = write_table(work / f"data_{label}", processor, images, records, 9, length, args.max_pixels,
                                    args.min_pixels, args.seed + length)
         log(f"\n== {length} tokens/pair: {records} records, first group's pairs {min(counts)}-{max(counts)} tokens")
+        refusal = budget_refusal(folder, counts, args)
+        if refusal is not None:  # the stage would not fit: say what to change instead of running out of memory
+            log(refusal)
+            results["lengths"][label] = {"refused": refusal}
+            continue
         stage = run_real_stage(args, work, data, folder, device.type, label)
         choice = stage.get("activation_checkpointing")
         layers = choice["layers"] if isinstance(choice, dict) else (
@@ -441,24 +496,14 @@ def main(argv: list[str] | None = None) -> int:
             f"loss {stage['losses'][0][1]:.4f} -> {stage['final_loss']:.4f}")
         window = stage_window(stage, args)
         log(f"stage, steps {window.get('first_step')}-{window.get('last_step')}: {describe_timing(window)}")
-        step = isolated_step(args, data, folder, device, layers, args.step_steps)
-        ratio = window["pairs_per_s"] / step["pairs_per_s"]
-        log(f"isolated step: {step['pairs_per_s']:.2f} pairs/s over {step['steps']} steps without a sync between "
-            f"them (mean {1e3 * step['mean_step_s']:.0f} ms, median {1e3 * step['median_step_s']:.0f} ms), "
-            f"peak {step['peak_gib']:.1f} GiB, {step['tokens_per_pair']:.0f} tokens/pair, "
-            f"collator {step['collate_ms_per_group']:.0f} ms/group on this host (one process)")
-        log(f"isolated step, steps 2-{step['steps']}: {describe_timing(step['timing'])}")
-        log(f"stage / isolated step over {window['steps']} vs {step['steps']} steps: {ratio:.2f} "
-            f"(stage steps 2-{stage['steps']}: {stage['pairs_per_s'] / step['pairs_per_s']:.2f})")
         results["lengths"][label] = {
             "stage": {k: stage[k] for k in ("pairs_per_s", "peak_mem_gib", "steps", "wall_time_s", "final_loss",
                                             "truncation", "dataloader", "activation_checkpointing",
                                             "stage_wall_s_incl_launch_and_load", "timing") if k in stage},
-            "stage_window": window,
-            "stage_losses": stage["losses"],
-            "step": step, "ratio_stage_over_step": ratio,
-            "ratio_all_stage_steps_over_step": stage["pairs_per_s"] / step["pairs_per_s"],
+            "stage_window": window, "stage_losses": stage["losses"], "step": None,
         }
+        if not args.no_step:
+            results["lengths"][label].update(compare_with_step(args, stage, window, data, folder, device, layers))
 
     results["targets_met"] = print_summary(results, args, env, device)
     if args.out is not None:

@@ -20,7 +20,8 @@ Variants (one process, one model; ``--variants`` picks):
 * levers, appended to a project variant with ``+`` (any combination, e.g. ``c17+pack+liger``):
   ``+pack``    pairs packed into one sequence without padding (``model.pack_pairs``, reranker/packing.py);
   ``+liger``   liger-kernel's fused RMSNorm / SwiGLU / rope (``model.kernels: liger``, reranker/kernels.py);
-  ``+compile`` ``torch.compile`` of every decoder layer (``model.compile_layers``).
+  ``+compile`` ``torch.compile`` of every decoder layer (``model.compile_layers``);
+  ``+fp8``     FP8 matmuls on the frozen base projections (``model.fp8``, torchao; Hopper; one way: list last).
   After each variant its eval-mode yes-no scores on unseen groups are compared with the plain padded
   project step's at the same weights: max |diff|, rankings, flipped document pairs.
 
@@ -36,6 +37,7 @@ lychee_pipeline.training's step and memory model (no kedro, no mlflow).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -128,7 +130,7 @@ def project_logits(reranker: LycheeReranker, batch: dict) -> torch.Tensor:
 # variants
 
 
-LEVERS = ("pack", "liger", "compile")
+LEVERS = ("pack", "liger", "compile", "fp8")
 
 
 def parse_variant(name: str, num_layers: int, auto_layers: dict | None = None) -> dict:
@@ -191,6 +193,25 @@ def set_compile(reranker: LycheeReranker, on: bool) -> None:
             layer._compiled_call_impl = None
 
 
+def set_fp8(reranker: LycheeReranker, on: bool) -> None:
+    """``model.fp8`` on the frozen base projections (the LoRA adapters stay bf16): one way, so ``+fp8`` variants
+    come last. Refused in one line where FP8 cannot run; torchao's emulation on a CPU (the code path only)."""
+    from lychee_pipeline.reranker import fp8
+
+    done = getattr(reranker, "_bench_fp8", False)
+    if on and not done:
+        emulate = reranker.device.type != "cuda"
+        if not emulate:
+            fp8.require_fp8(reranker.device, "lora")
+        elif importlib.util.find_spec("torchao") is None:
+            raise RuntimeError("+fp8 needs torchao (pip install 'lychee_pipeline[gpu]')")
+        count = fp8.apply_fp8(reranker.backbone, qwen2_5_vl.language_models(reranker.backbone), emulate=emulate)
+        reranker._bench_fp8 = True
+        log(f"fp8: {count} frozen base projections run FP8 matmuls{' (EMULATED on the CPU)' if emulate else ''}")
+    elif done and not on:
+        raise RuntimeError("+fp8 converts the model in place: list the +fp8 variants last")
+
+
 def configure(reranker: LycheeReranker, spec: dict) -> None:
     disable_fast_path(reranker)
     if spec["fast"] == "all":
@@ -203,6 +224,7 @@ def configure(reranker: LycheeReranker, spec: dict) -> None:
         packing.enable_packed_attention(reranker)
     reranker.config.pack_pairs = bool(spec.get("pack"))
     set_liger(reranker, bool(spec.get("liger")))
+    set_fp8(reranker, bool(spec.get("fp8")))
     set_compile(reranker, bool(spec.get("compile")))
 
 
@@ -351,8 +373,27 @@ def vision_micro(reranker: LycheeReranker, batch: dict, device: torch.device, re
     return res
 
 
-def profile_variant(reranker, spec, groups, optimizer, trainable, device, out_dir: Path | None, steps: int = 2) -> str:
-    """torch.profiler over ``steps`` steps; returns a short text summary (top kernels, totals)."""
+MATMUL_KERNEL_KEYS = ("gemm", "matmul", "sm90", "cutlass", "nvjet", "xmma", "cublas",  # CUDA kernels
+                      "aten::mm", "aten::addmm", "aten::bmm")  # the CPU's ops
+
+
+def non_matmul_table(kernels: list, dev_attr: str, total_dev_ms: float, rows: int = 15) -> str:
+    """The ``rows`` device kernels taking the most time that are not matmuls (where the step's other time goes):
+    name, calls, total ms, share of all device time."""
+    others = sorted((e for e in kernels if not any(k in e.key.lower() for k in MATMUL_KERNEL_KEYS)),
+                    key=lambda e: -getattr(e, dev_attr, 0.0))[:rows]
+    lines = [f"top {rows} non-matmul device kernels:", f"{'ms':>9} {'share':>6} {'calls':>7}  kernel"]
+    for e in others:
+        ms = getattr(e, dev_attr, 0.0) / 1e3
+        lines.append(f"{ms:9.2f} {100 * ms / max(total_dev_ms, 1e-9):5.1f}% {e.count:7d}  {e.key[:110]}")
+    return "\n".join(lines)
+
+
+def profile_variant(reranker, spec, groups, optimizer, trainable, device, out_dir: Path | None, steps: int = 2,
+                    trace: Path | None = None) -> str:
+    """torch.profiler over ``steps`` steps; returns a short text summary (totals, the top kernels, the top 15
+    non-matmul device kernels); ``trace``: a Chrome trace (JSON, chrome://tracing or Perfetto) written there."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     configure(reranker, spec)
@@ -366,8 +407,9 @@ def profile_variant(reranker, spec, groups, optimizer, trainable, device, out_di
             step(i + 1)
         common.sync(device)
     wall = time.perf_counter() - t0
-    from torch.autograd import DeviceType
-
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
     events = prof.key_averages()
     dev_attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     kernels = [e for e in events if e.device_type == DeviceType.CUDA] if device.type == "cuda" else list(events)
@@ -375,17 +417,18 @@ def profile_variant(reranker, spec, groups, optimizer, trainable, device, out_di
     total_cpu = sum(e.self_cpu_time_total for e in events if e.device_type == DeviceType.CPU) / 1e3
     n_kernels = sum(e.count for e in kernels) if device.type == "cuda" else 0
     sdpa = [e for e in events if e.key == "aten::scaled_dot_product_attention"]
-    mm_keys = ("gemm", "matmul", "sm90", "cutlass", "nvjet", "xmma", "cublas")
-    mm_dev = sum(getattr(e, dev_attr, 0.0) for e in kernels if any(k in e.key.lower() for k in mm_keys)) / 1e3
+    mm_dev = sum(getattr(e, dev_attr, 0.0) for e in kernels if any(k in e.key.lower() for k in MATMUL_KERNEL_KEYS)) / 1e3
     table = events.table(sort_by=dev_attr, row_limit=18, max_name_column_width=60)
     summary = (
         f"profile {spec['name']} ({spec['label']}): {steps} steps, wall {wall * 1e3:.0f} ms, "
         f"self CPU {total_cpu:.0f} ms, self device {total_dev:.0f} ms (matmul kernels {mm_dev:.0f} ms, "
         f"{100 * mm_dev / max(total_dev, 1e-9):.0f}%), SDPA calls {sum(e.count for e in sdpa)}, kernels {n_kernels}"
+        + (f"; Chrome trace {trace}" if trace is not None else "")
     )
+    text = summary + "\n" + table + "\n" + non_matmul_table(kernels, dev_attr, total_dev)
     if out_dir is not None:
-        (out_dir / f"profile_{spec['name']}.txt").write_text(summary + "\n" + table + "\n")
-    return summary + "\n" + table
+        (out_dir / f"profile_{spec['name']}.txt").write_text(text + "\n")
+    return text
 
 
 # ----------------------------------------------------------------------------------------------
@@ -401,7 +444,10 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--groups", type=int, default=12, help="distinct input groups (cycled)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--profile", default="", help="comma-separated variants to profile (2 steps each)")
+    parser.add_argument("--profile", default="",
+                        help="comma-separated variants to profile (2 steps each, after their timing), and/or a path "
+                             "ending in .json: the Chrome trace of the profiled variant (the project variant (c) "
+                             "when no variant is named); prints the top 15 non-matmul device kernels")
     parser.add_argument("--vision-micro", type=int, default=5, help="repetitions of the vision-tower timing (0: skip)")
     parser.add_argument("--check-groups", type=int, default=2, help="groups for the loss check (0: skip)")
     parser.add_argument("--no-grad-check", action="store_true")
@@ -431,7 +477,7 @@ def set_sdpa_backends(choice: str, device: torch.device) -> None:
 
 def time_variants(args, reranker, specs: list[dict], groups: list, check_groups: list, optimizer, trainable,
                   device: torch.device, results: dict, *, plain: dict, pairs_per_group: int, tokens_per_group: float,
-                  flops_per_group: float, tflops: float, profiles: set[str]) -> None:
+                  flops_per_group: float, tflops: float, profiles: set[str], peak: float = float("nan")) -> None:
     """Each variant configured, timed (median step), and its eval scores compared with those of ``plain`` (the
     padded project step, no lever); ``results[name]`` gets its figures."""
     for spec in specs:
@@ -456,11 +502,12 @@ def time_variants(args, reranker, specs: list[dict], groups: list, check_groups:
         r = {
             "label": spec["label"], "median_s": med, "min_s": min(times), "max_s": max(times),
             "pairs_per_s": pairs, "tokens_per_s": tokens, "peak_gib": common.peak_gib(device),
-            "mfu": common.mfu(useful, tflops), "steps": len(times),
+            "mfu": common.mfu(useful, tflops), "mfu_datasheet": common.mfu(useful, peak), "steps": len(times),
         }
         results[spec["name"]] = r
         log(f"{spec['name']:>6}: {pairs:6.2f} pairs/s {tokens:8.0f} tok/s peak {r['peak_gib']:6.1f} GiB "
-            f"MFU {100 * r['mfu']:5.1f}%  step {med * 1e3:.0f} ms [{min(times) * 1e3:.0f}-{max(times) * 1e3:.0f}]  {spec['label']}")
+            f"MFU {100 * r['mfu']:5.1f}% of measured, {100 * r['mfu_datasheet']:5.1f}% of datasheet  "
+            f"step {med * 1e3:.0f} ms [{min(times) * 1e3:.0f}-{max(times) * 1e3:.0f}]  {spec['label']}")
         optimizer.zero_grad(set_to_none=True)
         if not args.no_score_check and spec["forward"] == "project":
             got = eval_scores(reranker, check_groups)  # the same weights for both: the steps above trained them
@@ -473,21 +520,25 @@ def time_variants(args, reranker, specs: list[dict], groups: list, check_groups:
                 f"{cmp['discordant_pairs']}/{cmp['doc_pairs']} document pairs flipped "
                 f"(largest reference gap among them {cmp['largest_ref_gap_flipped']:.2e})")
         if spec["name"] in profiles:  # right after its timing, in the same configuration
-            log(profile_variant(reranker, spec, groups, optimizer, trainable, device, args.out))
+            log(profile_variant(reranker, spec, groups, optimizer, trainable, device, args.out,
+                                trace=getattr(args, "trace", None)))
 
 
 def print_summary(results: dict, env: dict, tflops: float, project_name: str | None, max_peak_gib: float,
-                  device: torch.device) -> None:
-    """The table of the variants, and (c) against (a); ``results["ratio_c_over_a"]`` when both ran."""
+                  device: torch.device, peak: tuple[float, str] = (float("nan"), "none")) -> None:
+    """The table of the variants, and (c) against (a); ``results["ratio_c_over_a"]`` when both ran. MFU twice:
+    against the bf16 matmul rate measured in this run, and against the datasheet peak (``peak``: rate, which)."""
     log("")
-    log(f"summary ({env.get('gpu')}, torch {env['torch']}, transformers {env['transformers']}, matmul {tflops:.0f} TFLOP/s)")
+    log(f"summary ({env.get('gpu')}, torch {env['torch']}, transformers {env['transformers']}); MFU against the "
+        f"measured bf16 matmul rate {tflops:.0f} TFLOP/s, and against the datasheet peak {peak[0]:.0f} TFLOP/s "
+        f"({peak[1]})")
     base = results.get(project_name, {}).get("pairs_per_s") if project_name else None
-    log(f"{'variant':>18} {'pairs/s':>8} {'tok/s':>8} {'peak GiB':>9} {'MFU':>6} {'vs (c)':>7}  what")
+    log(f"{'variant':>18} {'pairs/s':>8} {'tok/s':>8} {'peak GiB':>9} {'MFU meas':>8} {'MFU spec':>8} {'vs (c)':>7}  what")
     for name, r in results.items():
         if isinstance(r, dict) and "pairs_per_s" in r:
             vs = f"{r['pairs_per_s'] / base:6.2f}x" if base else f"{'':>7}"
-            log(f"{name:>18} {r['pairs_per_s']:8.2f} {r['tokens_per_s']:8.0f} {r['peak_gib']:9.1f} {100 * r['mfu']:5.1f}% {vs}  "
-                f"{r['label']}")
+            log(f"{name:>18} {r['pairs_per_s']:8.2f} {r['tokens_per_s']:8.0f} {r['peak_gib']:9.1f} {100 * r['mfu']:7.1f}% "
+                f"{100 * r.get('mfu_datasheet', float('nan')):7.1f}% {vs}  {r['label']}")
     if project_name in results and "a" in results:
         ratio = results[project_name]["pairs_per_s"] / results["a"]["pairs_per_s"]
         results["ratio_c_over_a"] = ratio
@@ -507,7 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     env = common.environment(device)
     log(f"env {json.dumps(env)}")
     tflops = common.matmul_tflops(device)
-    log(f"matmul rate: {tflops:.0f} TFLOP/s ({'bf16 8192^3' if device.type == 'cuda' else 'fp32 512^3, CPU'})")
+    peak = common.datasheet_tflops(device)
+    log(f"matmul rate: {tflops:.0f} TFLOP/s measured ({'bf16 8192^3' if device.type == 'cuda' else 'fp32 512^3, CPU'}); "
+        f"datasheet peak {peak[0]:.0f} TFLOP/s ({peak[1]})")
 
     t0 = time.perf_counter()
     reranker = build_reranker(args.tiny, device, dtype)
@@ -536,6 +589,11 @@ def main(argv: list[str] | None = None) -> int:
     project_name = args.project or (c_specs[-1]["name"] if c_specs else None)
 
     profiles = {p.strip() for p in args.profile.split(",") if p.strip()}
+    traces = {p for p in profiles if p.endswith(".json")}
+    profiles -= traces
+    args.trace = Path(traces.pop()) if traces else None
+    if args.trace is not None and not profiles and project_name is not None:
+        profiles = {project_name}
     # the loss / gradient checks use groups no step has trained on
     check_groups = [common.to_device(common.synthetic_group(shape, seed=args.seed + 10_000 + i), device)
                     for i in range(max(args.check_groups, 1))]
@@ -550,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
                   plain=parse_variant("c0", num_layers), pairs_per_group=shape.group_size,
                   tokens_per_group=tok_per_group,
                   flops_per_group=4 * n_lm * tok_per_group + 2 * n_vis * stats[0]["patches"], tflops=tflops,
-                  profiles=profiles)
+                  profiles=profiles, peak=peak[0])
 
     if args.project is None:  # the fastest project step (fast vision) within the memory limit
         fits = [(r["pairs_per_s"], n) for n, r in results.items() if isinstance(r, dict) and "pairs_per_s" in r
@@ -584,10 +642,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"memory: {slope:.2f} GiB per decoder layer that keeps its activations "
             f"(~{per_tok / 1024:.0f} KiB per padded token per layer)")
 
-    print_summary(results, env, tflops, project_name, args.max_peak_gib, device)
+    print_summary(results, env, tflops, project_name, args.max_peak_gib, device, peak)
     if args.out is not None:
         (args.out / ("train_step_tiny.json" if args.tiny else "train_step.json")).write_text(
-            json.dumps({"env": env, "matmul_tflops": tflops, "results": results}, indent=1, default=str) + "\n")
+            json.dumps({"env": env, "matmul_tflops": tflops, "datasheet_tflops": peak[0], "results": results}, indent=1, default=str) + "\n")
     return 0
 
 

@@ -57,5 +57,5 @@ def test_refused_kernels_keep_the_plain_path_on_auto_and_fail_when_asked_for():
 def test_a_loaded_model_finds_its_family(make_model):
     model = make_model(finetune="frozen")
     assert model.family is qwen2_5_vl and families.family_of_model(model.backbone) is qwen2_5_vl
-    with pytest.raises(ValueError, match=r"^unknown fast path 'flash'; known: fast_path, pack_pairs, kernels$"):
+    with pytest.raises(ValueError, match=r"^unknown fast path 'flash'; known: fast_path, pack_pairs, kernels, prefix_reuse$"):
         families.refused(qwen2_5_vl, "flash")

@@ -136,6 +136,7 @@ class Reranker:
         prefetch_batches: int = 2,
         prepare_workers: int | str = "auto",
         first_batch: int | str = "auto",
+        prefix_reuse: bool = False,
     ):
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
@@ -157,6 +158,16 @@ class Reranker:
         self.preparation = HostPreparation(model, collator, batch_size, chunk_batches, prefetch_batches,
                                            prepare_workers, first_batch)
         self.processing = ProcessingConfig(max_length, min_pixels, max_pixels, instructions)
+        # prefix_reuse: a query's shared prompt prefix (system prompt, instruction, the query's text and image) runs
+        # through the language model once per batch, each candidate attending to it (reranker/prefix.py); the
+        # scores are the plain packed path's. Refused in one line for a model that does not pack pairs.
+        if prefix_reuse:
+            model.require_prefix_reuse()
+        self.preparation.prefix_reuse = bool(prefix_reuse)
+
+    @property
+    def prefix_reuse(self) -> bool:
+        return self.preparation.prefix_reuse
 
     @property
     def collator(self) -> PairCollator:
@@ -203,6 +214,8 @@ class Reranker:
         attn_implementation: str = "sdpa",
         local_files_only: bool = False,
         tiny_cache_dir: str | None = None,
+        prefix_reuse: bool = False,
+        fp8: bool = False,
     ) -> Reranker:
         """Load a hub id, a local folder or ``builtin:tiny`` (+ an optional LoRA adapter folder).
 
@@ -211,7 +224,8 @@ class Reranker:
 
         ``max_length``, ``min_pixels``, ``max_pixels`` and ``instructions`` left as None are those the saved
         model was trained with (its metadata's processing settings), else the library defaults; a value
-        given here overrides them.
+        given here overrides them. ``prefix_reuse``: see :class:`Reranker`; ``fp8``: ``ModelConfig.fp8`` (Hopper
+        GPUs only, refused in one line elsewhere).
         """
         if adapter is None and Path(name_or_path).is_dir():
             meta = read_metadata(name_or_path)
@@ -225,6 +239,7 @@ class Reranker:
             attn_implementation=attn_implementation,
             local_files_only=local_files_only,
             tiny_cache_dir=tiny_cache_dir,
+            fp8=fp8,
         )
         model = load_reranker(cfg, device)
         model.eval()
@@ -236,7 +251,7 @@ class Reranker:
                  ", with the caller's values for some" if settings != (trained or ProcessingConfig()) else "",
                  settings.as_dict())
         return cls(model, batch_size, settings.max_length, settings.min_pixels, settings.max_pixels,
-                   settings.instructions)
+                   settings.instructions, prefix_reuse=prefix_reuse)
 
     # -- scoring ----------------------------------------------------------------------------------
     def score_pairs(self, pairs: Sequence[Sequence[Any]], task_types: Sequence[str | None] | None = None) -> list[float]:

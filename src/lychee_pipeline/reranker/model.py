@@ -84,6 +84,7 @@ class ModelConfig:
     pack_pairs: bool = True  # one packed sequence per micro-batch, no padding tokens (reranker/packing.py)
     kernels: Literal["auto", "liger", "none"] = "auto"  # fused kernels at load: auto = liger on CUDA where installed
     compile_layers: bool = False  # torch.compile each decoder layer (reranker/kernels.py)
+    fp8: bool = False  # FP8 matmuls in the language model's linear layers: Hopper + torchao only (reranker/fp8.py)
 
     # read by pydantic where the pipeline validates its `model:` parameters (no pydantic import needed here)
     __pydantic_config__ = {"extra": "forbid"}
@@ -239,19 +240,32 @@ class LycheeReranker(nn.Module):
             raise ValueError("inputs must be left padded: the last position of every row has to be a real token")
         return inputs
 
-    def host_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+    def host_inputs(self, batch: dict[str, Any], share_prefixes: bool = False) -> dict[str, Any]:
         """``batch`` (processor outputs, on the CPU) as :meth:`forward` takes it, with the work that depends only
         on the inputs' shapes done here, on the host: for a model that packs pairs, the packed sequence, its
         positions and the vision tower's grid-derived inputs (a :class:`~.packing.PackedBatch` under
         ``"packed"``). Call it where the batch is prepared (the scorer's preparing thread), so that the forward
-        never waits for the device to read them back; unchanged for a model that pads."""
+        never waits for the device to read them back; unchanged for a model that pads. ``share_prefixes``: pairs
+        that begin alike share one prefix segment (``reranker/prefix.py``; packed models only)."""
+        if share_prefixes:
+            self.require_prefix_reuse()
         if not self.config.pack_pairs:
             return batch
         from .packing import pack_batch
 
         model_inputs = {k: v for k, v in batch.items() if k not in NON_MODEL_KEYS}
-        return {"packed": pack_batch(self.base_model.model, model_inputs),
+        return {"packed": pack_batch(self.base_model.model, model_inputs, share_prefixes),
                 **{k: v for k, v in batch.items() if k in NON_MODEL_KEYS}}
+
+    def require_prefix_reuse(self) -> None:
+        """One line where prefix reuse (``reranker/prefix.py``) cannot run on this model: it lives in the packed
+        forward, and the family must not refuse it."""
+        if not self.config.pack_pairs:
+            raise ValueError("prefix_reuse needs packed pairs (model.pack_pairs: true); set prefix_reuse: false")
+        reason = refused(self.family, "prefix_reuse")
+        if reason is not None:
+            raise ValueError(f"prefix_reuse: the {self.family.NAME} family does not support it: {reason}; "
+                             "set prefix_reuse: false")
 
     def forward(self, **batch: Any) -> torch.Tensor:
         """Tensor[N, 2] (fp32) of (yes, no) logits at the last position.
@@ -381,6 +395,10 @@ def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") 
     from .kernels import apply_kernels, resolve_kernels
 
     dev = resolve_device(device)
+    if cfg.fp8:  # before the load: a CPU, another GPU or a missing torchao fails here in one line
+        from .fp8 import require_fp8
+
+        require_fp8(dev, cfg.finetune)
     if cfg.finetune == "qlora":
         _check_qlora_possible(dev)
     resolve_kernels(cfg.kernels, dev)  # a kernel choice this machine cannot run fails before the load
@@ -415,6 +433,10 @@ def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") 
     if cfg.finetune != "qlora":
         model.to(dev)
     apply_kernels(model, cfg.kernels, dev, family)  # fused RMSNorm/SwiGLU/rope (liger) or the plain path; logged
+    if cfg.fp8:  # the frozen base projections in FP8, before peft wraps them (the adapters stay in bf16)
+        from .fp8 import apply_fp8
+
+        apply_fp8(model, family.language_models(model))
 
     processor_path = path
     if cfg.adapter is not None and (Path(cfg.adapter) / "tokenizer_config.json").is_file():

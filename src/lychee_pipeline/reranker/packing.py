@@ -46,14 +46,19 @@ _REGISTERED = False
 
 
 _BOUNDS_ATTR = "_lychee_pack_bounds"
+_KEYS_ATTR = "_lychee_pack_keys"  # (key rows, their cu_seqlens, the longest) of a plan with shared prefixes
 
 
 @dataclass(frozen=True)
 class PackPlan:
-    """Where each pair lies in the packed sequence: pair ``i`` is ``[starts[i], ends[i])``."""
+    """Where each pair lies in the packed sequence: pair ``i`` is ``[starts[i], ends[i])``.
+
+    With shared prefixes (``reranker/prefix.py``) the bounds are segments (a prefix, or a pair's suffix) and
+    ``prefixes[i]`` is the ``(start, end)`` of the prefix segment ``i`` also attends to (None: none)."""
 
     starts: tuple[int, ...]
     ends: tuple[int, ...]
+    prefixes: tuple[tuple[int, int] | None, ...] = ()
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -144,6 +149,8 @@ def packed_attention_forward(
     plan = plan_of(cu_seqlens)
     if attention_mask is not None:
         raise ValueError("a packed forward must not carry an attention mask (pairs are separated by the plan)")
+    if plan.prefixes:
+        return _shared_prefix_attention(module, query, key, value, cu_seqlens, plan, kwargs)
     if len(plan.starts) == 1:
         return sdpa(module, query, key, value, None, is_causal=True, **kwargs)
     if cu_seqlens.is_cuda and _varlen_ready(query, kwargs):
@@ -159,6 +166,39 @@ def packed_attention_forward(
     for start, end in zip(plan.starts, plan.ends):
         out, _ = sdpa(module, query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], None,
                       is_causal=True, **kwargs)
+        outputs.append(out)
+    return torch.cat(outputs, dim=1), None
+
+
+def _shared_prefix_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             cu_seqlens: torch.Tensor, plan: PackPlan,
+                             kwargs: dict[str, Any]) -> tuple[torch.Tensor, None]:
+    """Attention of a packed sequence with shared prefixes (``reranker/prefix.py``): a prefix segment causal on
+    itself, a suffix on [its prefix + itself], lower-right causal."""
+    from .prefix import suffix_mask
+
+    sdpa = _sdpa()
+    keys = getattr(cu_seqlens, _KEYS_ATTR, None)
+    if keys is not None and cu_seqlens.is_cuda and _varlen_ready(query, kwargs):
+        # flash attention's causal mask is aligned to the bottom right where a segment has fewer queries than
+        # keys: each suffix token sees the whole prefix and the suffix up to itself
+        varlen, gqa_keyword = _varlen_attention()
+        key_rows, cu_keys, longest_key = keys
+        q = query[0].transpose(0, 1).contiguous()
+        k, v = (t[0].index_select(1, key_rows).transpose(0, 1).contiguous() for t in (key, value))
+        extra = {"enable_gqa": True} if gqa_keyword and k.shape[1] != q.shape[1] else {}
+        out = varlen(q, k, v, cu_seqlens, cu_keys, max(plan.lengths), longest_key, scale=kwargs.get("scaling"),
+                     **extra)
+        return out.unsqueeze(0), None
+    outputs = []
+    for start, end, prefix in zip(plan.starts, plan.ends, plan.prefixes):
+        if prefix is None:
+            out, _ = sdpa(module, query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], None,
+                          is_causal=True, **kwargs)
+        else:
+            k, v = (torch.cat((t[:, :, prefix[0] : prefix[1]], t[:, :, start:end]), dim=2) for t in (key, value))
+            mask = suffix_mask(end - start, prefix[1] - prefix[0], query.device)
+            out, _ = sdpa(module, query[:, :, start:end], k, v, mask, is_causal=False, **kwargs)
         outputs.append(out)
     return torch.cat(outputs, dim=1), None
 
@@ -269,12 +309,16 @@ class PackedBatch:
     image_grid_thw: torch.Tensor | None = None  # stays on the host
     vision_to_device: dict[str, Any] = field(default_factory=dict)
     vision_on_host: dict[str, Any] = field(default_factory=dict)
+    key_rows: torch.Tensor | None = None  # shared prefixes: the rows each segment's keys are gathered from
+    cu_seqlens_k: torch.Tensor | None = None  # ... their bounds (int32)
+    longest_key: int = 0
 
     def _map(self, fn) -> PackedBatch:
         from .families.segments import map_segment_rows
 
         moved = {name: fn(getattr(self, name)) if getattr(self, name) is not None else None
-                 for name in ("input_ids", "position_ids", "last_index", "cu_seqlens", "pixel_values", "image_rows")}
+                 for name in ("input_ids", "position_ids", "last_index", "cu_seqlens", "pixel_values", "image_rows",
+                              "key_rows", "cu_seqlens_k")}
         return replace(self, **moved, vision_to_device={k: fn(v) for k, v in self.vision_to_device.items()},
                        vision_on_host=map_segment_rows(self.vision_on_host, fn))
 
@@ -286,15 +330,28 @@ class PackedBatch:
 
     @property
     def pairs(self) -> int:
-        return len(self.plan.starts)
+        return len(self.last_index)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the language model runs on (with shared prefixes, each prefix counted once)."""
+        return int(self.input_ids.shape[1])
+
+    def attention_bounds(self) -> torch.Tensor:
+        """``cu_seqlens`` carrying the plan (and, with shared prefixes, the key rows) for the attention."""
+        bounds = self.plan.attach(self.cu_seqlens)
+        if self.key_rows is not None:
+            setattr(bounds, _KEYS_ATTR, (self.key_rows, self.cu_seqlens_k, self.longest_key))
+        return bounds
 
 
-def pack_batch(vl_model: nn.Module, batch: dict[str, Any]) -> PackedBatch:
+def pack_batch(vl_model: nn.Module, batch: dict[str, Any], share_prefixes: bool = False) -> PackedBatch:
     """The :class:`PackedBatch` of a padded batch (processor outputs). Works on the host: a batch already on
     the device is read back here (its token ids, mask, token types and grids; the first read waits for the
     device), the pixels stay where they are (host pixels are cast to the vision tower's dtype). ``vl_model`` is the
     ``Qwen2_5_VLModel`` (its config, ``get_rope_index`` and the tower's dtype); its family computes the vision
-    tower's grid-derived inputs."""
+    tower's grid-derived inputs. ``share_prefixes``: pairs that begin alike share one prefix segment
+    (``reranker/prefix.py``; needs host pixels)."""
     from .families import family_of_model
 
     if batch.get("pixel_values_videos") is not None or batch.get("video_grid_thw") is not None:
@@ -307,15 +364,44 @@ def pack_batch(vl_model: nn.Module, batch: dict[str, Any]) -> PackedBatch:
         # the tower's first step casts them to its dtype; done here, the copy to the device is half the bytes
         # (float32 pixels of 32 images at the default pixel budget are ~770 MB) and the scores are the same
         pixels = pixels.to(vl_model.visual.dtype)
+    input_ids, position_ids = inputs["input_ids"], inputs["position_ids"][1:]
+    keys: dict[str, Any] = {}
+    if share_prefixes:
+        input_ids, position_ids, plan, last_index, pixels, grid, keys = _with_shared_prefixes(
+            vl_model, input_ids, position_ids, plan, pixels, grid)
     vision_to_device, vision_on_host, image_rows = {}, {}, None
     if pixels is not None:
-        image_rows = (inputs["input_ids"][0] == vl_model.config.image_token_id).nonzero().squeeze(1)
+        image_rows = (input_ids[0] == vl_model.config.image_token_id).nonzero().squeeze(1)
         vision_to_device, vision_on_host = family_of_model(vl_model).vision_inputs_on_host(
             vl_model.config.vision_config, grid)
     # the text row of the positions is dropped on purpose: with row 0 present, transformers would also build a
     # dense packed T×T mask; the plan separates the pairs instead
-    return PackedBatch(inputs["input_ids"], inputs["position_ids"][1:], last_index, plan, plan.as_tensor(), pixels,
-                       image_rows, grid if pixels is not None else None, vision_to_device, vision_on_host)
+    return PackedBatch(input_ids, position_ids, last_index, plan, plan.as_tensor(), pixels,
+                       image_rows, grid if pixels is not None else None, vision_to_device, vision_on_host, **keys)
+
+
+def _with_shared_prefixes(vl_model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, plan: PackPlan,
+                          pixels: torch.Tensor | None, grid: torch.Tensor | None) -> tuple:
+    """The packed ids, positions, plan, last indices, pixels, grid and key gather with each group's shared prefix
+    kept once (``reranker/prefix.py``); the positions are the unshared pairs' own, so scores do not change."""
+    from .prefix import key_gather, locate_images, prefix_groups, shared_layout
+
+    if pixels is not None and pixels.device.type != "cpu":
+        raise ValueError("sharing prefixes compares the pixels on the host: pass host pixels")
+    merge = vl_model.config.vision_config.spatial_merge_size
+    images = locate_images(input_ids[0], plan.starts, vl_model.config.image_token_id, grid, merge)
+    groups = prefix_groups(input_ids[0], plan.starts, plan.lengths, images, grid, pixels)
+    if all(len(members) == 1 for members, _ in groups):  # nothing shared: the plain packing
+        return input_ids, position_ids, plan, torch.tensor(plan.ends) - 1, pixels, grid, {}
+    layout = shared_layout(groups, plan.starts, plan.ends, images)
+    if pixels is not None:
+        rows = [torch.arange(*images.pixel_rows[k]) for k in layout.kept_images]
+        pixels = pixels.index_select(0, torch.cat(rows)) if rows else None
+        grid = grid[layout.kept_images] if rows else None
+    shared = PackPlan(layout.starts, layout.ends, layout.prefixes)
+    key_rows, cu_keys, longest = key_gather(layout.starts, layout.ends, layout.prefixes)
+    return (input_ids[:, layout.keep_rows], position_ids[:, :, layout.keep_rows], shared, layout.last_index, pixels,
+            grid, {"key_rows": key_rows, "cu_seqlens_k": cu_keys, "longest_key": longest})
 
 
 def packed_last_hidden(vl_model: nn.Module, batch: dict[str, Any] | PackedBatch) -> torch.Tensor:
@@ -336,5 +422,5 @@ def packed_last_hidden(vl_model: nn.Module, batch: dict[str, Any] | PackedBatch)
         image_embeds = torch.cat(tuple(features), dim=0).to(embeds.dtype)
         embeds = embeds.index_copy(1, packed.image_rows, image_embeds.unsqueeze(0))
     outputs = vl_model.language_model(inputs_embeds=embeds, position_ids=packed.position_ids, use_cache=False,
-                                      return_dict=True, **{PLAN_KWARG: packed.plan.attach(packed.cu_seqlens)})
+                                      return_dict=True, **{PLAN_KWARG: packed.attention_bounds()})
     return outputs.last_hidden_state[0].index_select(0, packed.last_index)

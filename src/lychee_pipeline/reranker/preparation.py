@@ -137,6 +137,7 @@ class HostPreparation:
         self.prefetch_batches = max(int(prefetch_batches), 0)
         self.prepare_workers = prepare_workers
         self.first_batch = first_batch
+        self.prefix_reuse = False  # pairs that begin alike share one prefix segment (Reranker's prefix_reuse)
         self.clones: list[PairCollator] = []  # the extra threads' collators, made once and reused
 
     # -- sizes ----------------------------------------------------------------------------------
@@ -174,15 +175,19 @@ class HostPreparation:
         return bounds
 
     def batch_order(self, chunk: list[Prepared]) -> list[list[int]]:
-        """The chunk's indices sorted by token count, cut into batches."""
-        order = sorted(range(len(chunk)), key=lambda i: chunk[i][2])
+        """The chunk's indices sorted by token count, cut into batches; with prefix reuse sorted by prompt first,
+        so that a query's candidates (the same prompt up to the document) are neighbours in a batch."""
+        if self.prefix_reuse:
+            order = sorted(range(len(chunk)), key=lambda i: (chunk[i][0], chunk[i][2]))
+        else:
+            order = sorted(range(len(chunk)), key=lambda i: chunk[i][2])
         return [order[b : b + self.batch_size] for b in range(0, len(order), self.batch_size)]
 
     # -- one batch --------------------------------------------------------------------------------
     def encode(self, collator: PairCollator, prepared: list[Prepared]) -> dict[str, Any]:
         """The host batch of measured pairs: images decoded, the processor run, the model's host inputs made."""
         # the packed sequence and the grid-derived inputs are worked out here too, off the launching thread
-        batch = self.model.host_inputs(collator.encode([collator.decode(p) for p in prepared]))
+        batch = self.model.host_inputs(collator.encode([collator.decode(p) for p in prepared]), self.prefix_reuse)
         if self.model.device.type == "cuda":  # page-locked, so the copy to the GPU is asynchronous
             batch = {k: v.pin_memory() if isinstance(v, (torch.Tensor, PackedBatch)) else v for k, v in batch.items()}
         return batch

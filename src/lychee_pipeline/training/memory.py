@@ -76,6 +76,33 @@ def choose_checkpoint_layers(tokens: int, hidden: int, num_layers: int, weight_b
     return CheckpointChoice(num_layers, num_layers, peak, budget_gib, int(tokens), False)
 
 
+# QLoRA's weights against bf16: the language model in nf4 with double quantization (~0.53 bytes a parameter),
+# the vision tower and lm_head kept in bf16 (load_reranker skips them): ~0.37 of the bytes for Qwen2.5-VL-7B
+QLORA_WEIGHT_FRACTION = 0.37
+
+
+def over_budget_advice(choice: CheckpointChoice, hidden: int, weight_bytes: int, pairs_per_micro_batch: int,
+                       margin: float = 0.05, base: float = BASE_BYTES_PER_TOKEN_HIDDEN) -> str | None:
+    """One line naming the setting to change when ``choice`` does not fit even with every layer checkpointed
+    (None when it fits): a smaller ``max_pixels`` / ``max_length`` (with the tokens per pair that would fit) where
+    the weights leave room for activations, QLoRA where they alone (nearly) fill the budget."""
+    if choice.fits:
+        return None
+    limit = choice.budget_gib * (1.0 - margin) * GIB
+    room_tokens = (limit - weight_bytes) / (hidden * base)  # tokens per micro-batch with every layer checkpointed
+    per_pair = int(room_tokens // max(1, pairs_per_micro_batch))
+    head = (f"memory budget {choice.budget_gib:.0f} GiB: even with all {choice.num_layers} decoder layers "
+            f"checkpointed the memory model predicts {choice.predicted_peak_gib:.1f} GiB for {choice.tokens} tokens a "
+            f"micro-batch (weights {weight_bytes / GIB:.1f} GiB)")
+    if per_pair >= 64:
+        return (f"{head}; change a setting: at most ~{per_pair} tokens per pair fit (a smaller training.max_pixels "
+                f"or max_length), or model.finetune: qlora (4-bit base weights), or a larger memory_budget_gib")
+    qlora = weight_bytes * QLORA_WEIGHT_FRACTION
+    hint = "" if qlora < limit else " with a smaller model (the 2B of the next family)"
+    return (f"{head}; the weights leave no room for activations: set model.finetune: qlora (4-bit base weights, "
+            f"~{qlora / GIB:.1f} GiB){hint}, or a larger memory_budget_gib")
+
+
 def resolve_dataloader(params: dict | None, device_type: str, cpus: int, local_processes: int) -> dict:
     """DataLoader keyword arguments from ``training.dataloader`` (``auto`` values resolved).
 

@@ -26,6 +26,7 @@ FAST_PATHS = {
     "pack_pairs": ("pairs packed into one sequence (host-side vision inputs, features placed at the image rows)",
                    "false"),
     "kernels": ("liger-kernel's fused RMSNorm / SwiGLU / rope on the family's modules", "none"),
+    "prefix_reuse": ("a query's shared prompt prefix run once per packed batch (reranker/prefix.py)", "false"),
 }
 
 

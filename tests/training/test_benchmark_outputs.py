@@ -1,0 +1,64 @@
+"""The benchmarks' new outputs, run on the CPU with the tiny architecture (the code paths the GPU runs take):
+inference.py's pairs/s, tokens/s and MFU lines, its prefix-reuse variant (tokens saved, same scores) and its FP8
+variant (torchao emulated on a CPU); train_step.py's MFU against both named peaks and its profile (a Chrome trace
+and the top 15 non-matmul kernels)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def benchmarks():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import inference
+        import train_step
+
+        yield inference, train_step
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+@pytest.mark.slow
+def test_inference_prints_rates_mfu_prefix_reuse_and_fp8(benchmarks, tmp_path, capsys):
+    pytest.importorskip("torchao.float8", reason="torchao is not installed (the gpu extra): the FP8 variant needs it")
+    inference, _ = benchmarks
+    assert inference.main(["--tiny", "--queries", "3", "--docs", "4", "--fast-check", "0", "--prefix-reuse", "--fp8",
+                           "--fp8-check", "8", "--tiny-dir", str(tmp_path / "tiny"), "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for name in ("naive", "core", "core-prefix", "core-fp8"):
+        line = next(x for x in out.splitlines() if x.strip().startswith(f"{name}:"))
+        assert "pairs/s" in line and "tok/s" in line and "MFU" in line
+    prefix_line = next(x for x in out.splitlines() if x.startswith("prefix reuse:"))
+    assert "saved" in prefix_line and "same ranking 3/3 queries" in prefix_line
+    assert "EMULATED on the CPU" in out and "fp8:" in out
+    results = json.loads((tmp_path / "inference_tiny.json").read_text())["results"]
+    assert results["core-prefix"]["tokens_run"] < results["core"]["tokens_run"]
+    assert results["core-prefix"]["vs_core"]["max_abs_logit_diff"] < 1e-4  # fp32: the same scores
+    assert results["core-fp8"]["fp8_vs_fp32"]["max_abs_logit_diff"] > 0  # float8 rounding shows
+
+
+@pytest.mark.slow
+def test_train_step_prints_mfu_against_both_peaks_and_profiles(benchmarks, tmp_path, capsys):
+    _, train_step = benchmarks
+    trace = tmp_path / "step.json"
+    assert train_step.main(["--tiny", "--variants", "c0+pack,c0+pack+fp8", "--groups", "2", "--warmup", "1", "--steps", "2",
+                            "--vision-micro", "0", "--check-groups", "0", "--no-grad-check", "--no-score-check",
+                            "--profile", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "MFU against the measured bf16 matmul rate" in out and "against the datasheet peak" in out
+    assert "top 15 non-matmul device kernels:" in out
+    table = out.split("top 15 non-matmul device kernels:")[1].splitlines()[2:17]
+    assert table and not any("aten::mm" in row or "addmm" in row for row in table)
+    assert json.loads(trace.read_text())["traceEvents"]
+    if "fp8: " in out:  # torchao installed (the gpu extra): the +fp8 lever ran, emulated on the CPU
+        assert "(EMULATED on the CPU)" in out and "c0+pack+fp8" in out.split("summary (")[1]
+    else:
+        assert "c0+pack+fp8: skipped" in out
