@@ -174,6 +174,7 @@ SLOW_FIXTURES = {
 }
 PROCESS_STARTERS = {
     "run_training_stage", "run_stage_slot", "run_stage",  # an `accelerate launch` stage
+    "launch_scoring", "launch",               # an `accelerate launch` of the sharded scoring (or any LaunchJob)
     "run_kedro", "kedro_run", "kedro",        # a Kedro project run (in process or through the CLI)
     "KedroSession",
     "NotebookClient",                         # a notebook kernel
