@@ -31,14 +31,18 @@ def messages_of(prompt: dict, query: dict, doc: dict) -> tuple[list[dict], list[
     instruction = table.get(f"{modality(query)}2{modality(doc)}", table["default"])
     content, images = [], []
     for part in prompt["user_content"]:
-        if "of" not in part:
+        if "side" not in part:
             content.append({"type": "text", "text": part["text"].replace("{instruction}", instruction)})
             continue
-        value = sides[part["of"]].get(part["type"])
-        if value:
-            content.append({"type": part["type"], **({"text": value} if part["type"] == "text" else {})})
-            if part["type"] == "image":
-                images.append(value)
+        item = sides[part["side"]]
+        present = [kind for kind in prompt["side_content"] if item.get(kind)]
+        for kind in present:
+            content.append({"type": "image"} if kind == "image" else {"type": "text", "text": item["text"]})
+            if kind == "image":
+                images.append(item["image"])
+        if not present:
+            assert prompt["empty_side"] is not None, "this family's prompt has no empty side"
+            content.append({"type": "text", "text": prompt["empty_side"]})
     return [{"role": "system", "content": prompt["system"]}, {"role": "user", "content": content}], images
 
 

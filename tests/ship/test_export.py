@@ -186,3 +186,62 @@ def test_overwrite_replaces_a_finished_export(trained_adapter, tmp_path):
     summary = export_model(params.model_copy(update={"overwrite": True}), tmp_path)
     assert "stale.txt" not in summary["files"] and "model.safetensors" in summary["files"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+# ---------------------------------------------------------------------------------------------- the prompt as data
+
+
+def _pair_kinds() -> list[tuple[dict, dict]]:
+    text, image, both = {"text": "red dress", "image": None}, {"text": None, "image": "a.png"}, {"text": "hat", "image": "b.png"}
+    return [(q, d) for q in (text, image, both) for d in (text, image, both)]
+
+
+def test_the_prompt_description_rebuilds_the_familys_messages_for_every_pair_kind():
+    """reranker_scoring.json's prompt, read by the stock script, gives the messages the project builds."""
+    from stock_score import messages_of
+
+    from lychee_pipeline.reranker import prompt
+    from lychee_pipeline.reranker.export import prompt_description
+    from lychee_pipeline.reranker.families import family_for
+
+    overrides = {"t2i": "Find the picture"}
+    description = prompt_description(family_for("qwen2_5_vl"), {"instructions": overrides})
+    assert description["empty_side"] is None  # Lychee's prompt has no empty side: the project refuses one
+    for query, doc in _pair_kinds():
+        expected = prompt.build_messages(query, doc, prompt.instruction_for(prompt.task_type_of(query, doc), overrides))
+        built, images = messages_of(description, query, doc)
+        # the stock script leaves an image part's path out (the chat template only places the image token)
+        assert built == [{**m, "content": m["content"] if isinstance(m["content"], str) else
+                          [{"type": "image"} if c["type"] == "image" else c for c in m["content"]]} for m in expected]
+        assert images == [item["image"] for item in (query, doc) if item["image"]]
+
+
+def test_a_family_prompt_with_an_empty_side_is_described_with_its_text():
+    """A stand-in family with another layout (text before image, 'NULL' for an empty side, one default
+    instruction), as Qwen3-VL-Reranker's, until that family is on this branch: the description follows it."""
+    from types import SimpleNamespace
+
+    from stock_score import messages_of
+
+    def build_messages(query, doc, instruction=None):
+        def side(item):
+            parts = ([{"type": "text", "text": item["text"]}] if item.get("text") else []) + (
+                [{"type": "image", "image": item["image"]}] if item.get("image") else [])
+            return parts or [{"type": "text", "text": "NULL"}]
+
+        return [{"role": "system", "content": "judge"},
+                {"role": "user", "content": [{"type": "text", "text": f"<Instruct>: {instruction or 'find'}"},
+                                             {"type": "text", "text": "<Query>:"}, *side(query),
+                                             {"type": "text", "text": "\n<Document>:"}, *side(doc)]}]
+
+    from lychee_pipeline.reranker.export import prompt_description
+
+    family = SimpleNamespace(build_messages=build_messages, DEFAULT_INSTRUCTIONS={"default": "find"})
+    description = prompt_description(family, {"instructions": None})
+    assert description["empty_side"] == "NULL" and description["side_content"] == ["text", "image"]
+    empty = {"text": None, "image": None}
+    for query, doc in [*_pair_kinds(), (empty, {"text": "x", "image": None})]:
+        built, _ = messages_of(description, query, doc)
+        expected = build_messages(query, doc, "find")
+        assert built == [{**m, "content": m["content"] if isinstance(m["content"], str) else
+                          [{"type": "image"} if c["type"] == "image" else c for c in m["content"]]} for m in expected]

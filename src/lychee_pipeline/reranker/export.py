@@ -15,8 +15,9 @@ folder renamed into place once complete):
   placeholder expansion;
 - ``README.md``: a model card with the source, the evaluation figures (or "not evaluated") and the scoring rule.
 
-The family is reached only through :class:`~.families.base.ModelFamily` (``LycheeReranker.family``). The prompt
-description is the Lychee layout (``prompt.py``), the one prompt the project has today.
+The family is reached only through :class:`~.families.base.ModelFamily` (``LycheeReranker.family``): its model class
+and processor saving, and its prompt (``build_messages`` and ``DEFAULT_INSTRUCTIONS`` where the family has them,
+else the Lychee ones of ``prompt.py``), described by calling it with placeholder items.
 
 Kedro-free and MLflow-free: a registry source is resolved by ``lychee_pipeline.export`` into an
 :class:`ExportSource` first.
@@ -87,25 +88,50 @@ def output_folder_free(out: Path, overwrite: bool) -> None:
                           if out.is_dir() else f"{out}: a file is in the way of the export folder")
 
 
-def prompt_description(processing: Mapping[str, Any]) -> dict[str, Any]:
-    """The prompt as data: system message, the user content layout and the instruction of each task type
-    (the trained overrides over the defaults)."""
-    from .prompt import DEFAULT_INSTRUCTIONS, SYSTEM_PROMPT
+SIDES = {"query": {"text": "{query text}", "image": "{query image}"},
+         "document": {"text": "{document text}", "image": "{document image}"}}
 
+
+def prompt_description(family: Any, processing: Mapping[str, Any]) -> dict[str, Any]:
+    """The family's prompt as data, read off its own ``build_messages`` with placeholder items (so a family with
+    another layout describes itself): the system message, the user content (fixed texts and the two sides), the
+    order of a side's parts, the text of an empty side (None: the family refuses one) and the instruction of each
+    task type (the trained overrides over the family's defaults). Families without a prompt of their own use the
+    Lychee one (``prompt.py``)."""
+    from . import prompt
+
+    build = getattr(family, "build_messages", prompt.build_messages)
+    defaults = getattr(family, "DEFAULT_INSTRUCTIONS", prompt.DEFAULT_INSTRUCTIONS)
+    placeholders = {value: (side, kind) for side, item in SIDES.items() for kind, value in item.items()}
+    messages = build(SIDES["query"], SIDES["document"], "{instruction}")
+    user_content: list[dict[str, Any]] = []
+    side_parts: list[str] = []
+    for part in messages[-1]["content"]:
+        found = placeholders.get(part.get(part["type"]))
+        if found is None:
+            user_content.append({"type": "text", "text": part["text"]})
+            continue
+        side, kind = found
+        if not user_content or user_content[-1].get("side") != side:
+            user_content.append({"side": side})
+        if side == "query":
+            side_parts.append(kind)
+    try:  # an empty side: its text, where the family's prompt has one
+        empty = build({"text": None, "image": None}, SIDES["document"], "{instruction}")
+        fixed = {part.get("text") for part in user_content}
+        extra = [part["text"] for part in empty[-1]["content"]
+                 if part["type"] == "text" and part["text"] not in fixed and part["text"] not in placeholders]
+        empty_side = extra[0] if len(extra) == 1 else None
+    except (TypeError, ValueError):
+        empty_side = None
     return {
-        "system": SYSTEM_PROMPT,
-        "user_content": [
-            {"type": "text", "text": "<Instruct>: {instruction}"},
-            {"type": "text", "text": "<Query>:"},
-            {"type": "image", "of": "query", "when": "the query has an image"},
-            {"type": "text", "of": "query", "when": "the query has text"},
-            {"type": "text", "text": "\n<Document>:"},
-            {"type": "image", "of": "document", "when": "the document has an image"},
-            {"type": "text", "of": "document", "when": "the document has text"},
-        ],
+        "system": messages[0]["content"],
+        "user_content": user_content,
+        "side_content": side_parts,
+        "empty_side": empty_side,
         "add_generation_prompt": True,
         "task_type": "'<q>2<d>', q and d each 't' (text only), 'i' (image only) or 'it' (image and text)",
-        "instructions": {**DEFAULT_INSTRUCTIONS, **dict(processing.get("instructions") or {})},
+        "instructions": {**dict(defaults), **dict(processing.get("instructions") or {})},
         "instruction_rule": "the instruction of the pair's task type; 'default' where the table has none",
     }
 
@@ -126,7 +152,7 @@ def scoring_description(model: Any, processing: Mapping[str, Any]) -> dict[str, 
         "score": SCORE_RULE,
         # the order a 2-class classifier built from two vocabulary rows needs for p(yes) as its last class
         "classifier_from_token": ["no", "yes"],
-        "prompt": prompt_description(processing),
+        "prompt": prompt_description(model.family, processing),
         "processing": dict(processing),
         "images": {
             "placeholder": image_pad,
