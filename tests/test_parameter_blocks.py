@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from lychee_pipeline.data.params import DataParams, DataProcessingParams, RerankParams
+from lychee_pipeline.export import ExportParams
 from lychee_pipeline.mining import MiningParams
 from lychee_pipeline.runtime.errors import typed
 from lychee_pipeline.registry import DEFAULT_GATE, RegistryParams, ServingParams
@@ -22,6 +23,7 @@ BLOCKS = {  # block: (parameter file, typed model)
     "rerank": ("parameters_rerank.yml", RerankParams),
     "registry": ("parameters_registry.yml", RegistryParams),
     "serving": ("parameters_registry.yml", ServingParams),
+    "export": ("parameters_export.yml", ExportParams),
 }
 FREE = {"mining.reranker", "rerank.reranker"}  # keyword arguments of Reranker.from_pretrained: no defaults here
 
@@ -76,6 +78,10 @@ def test_every_yaml_key_the_library_has_is_spelled_out():
     ("serving", {"roots": "/x"},
      "invalid parameter serving.roots: Extra inputs are not permitted (got '/x'); did you mean serving.image_roots?"),
     ("serving", {"port": 80}, "invalid parameter serving.port: Extra inputs are not permitted (got 80)"),  # no close key
+    ("export", {"output_dr": "/x"},
+     "invalid parameter export.output_dr: Extra inputs are not permitted (got '/x'); did you mean export.output_dir?"),
+    ("export", {"dtype": "int8"}, "invalid parameter export.dtype: Input should be 'auto', 'fp32', 'bf16' or 'fp16' "
+     "(got 'int8')"),
 ])
 def test_a_bad_key_is_one_line_naming_it_and_the_closest_known_key(block, values, message):
     with pytest.raises(ValueError) as error:

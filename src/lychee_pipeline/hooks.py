@@ -229,11 +229,12 @@ class MlflowStoreHooks:
 def typed_blocks() -> dict[str, type]:
     """The parameter blocks that have a typed model, by their top-level key (defined beside their library)."""
     from lychee_pipeline.data.params import DataParams, DataProcessingParams, RerankParams
+    from lychee_pipeline.export import ExportParams
     from lychee_pipeline.mining import MiningParams
     from lychee_pipeline.registry import RegistryParams, ServingParams
 
     return {"data": DataParams, "data_processing": DataProcessingParams, "mining": MiningParams,
-            "rerank": RerankParams, "registry": RegistryParams, "serving": ServingParams}
+            "rerank": RerankParams, "registry": RegistryParams, "serving": ServingParams, "export": ExportParams}
 
 
 def check_typed_blocks(inputs: set[str], load) -> None:

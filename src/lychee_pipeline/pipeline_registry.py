@@ -1,4 +1,5 @@
-"""Project pipelines: the pieces, the composite `smoke` and `full` pipelines, and batch `rerank`.
+"""Project pipelines: the pieces, the composite `smoke` and `full` pipelines, batch `rerank`
+and the merged `export`.
 
 Each piece runs under a top-level namespace (`data_ingestion`, `image_normalization`, `data_split`, `mining`,
 `training`, `evaluation`, `reporting`), so kedro-viz opens `smoke` and `full` as a short chain of collapsed
@@ -18,6 +19,7 @@ from lychee_pipeline.pipelines import (
     data_split,
     demo_data,
     evaluation,
+    export,
     image_normalization,
     mine_negatives,
     registry,
@@ -70,4 +72,5 @@ def register_pipelines() -> dict[str, Pipeline]:
         "training": training_group(training.create_pipeline()),
         "evaluation": scoring,
         "rerank": rerank.create_pipeline(),
+        "export": export.create_pipeline(),
     }

@@ -329,8 +329,11 @@ class LycheeReranker(nn.Module):
         self._write_metadata(out, kind, processing)
         return out
 
-    def merge_and_save(self, out_dir: str | os.PathLike, processing: ProcessingConfig | None = None) -> Path:
-        """Export a merged full model (LoRA folded into the weights) + processor; the module is unchanged."""
+    def merge_and_save(self, out_dir: str | os.PathLike, processing: ProcessingConfig | None = None,
+                       in_place: bool = False) -> Path:
+        """Export a merged full model (LoRA folded into the weights) + processor; the module is unchanged, unless
+        ``in_place``: the adapter is folded into this module's own weights, no copy (for a model loaded only to be
+        exported: a 7B copy would double the host memory)."""
         import copy
 
         out = Path(out_dir)
@@ -338,7 +341,9 @@ class LycheeReranker(nn.Module):
         if self.is_peft:
             if self.config.finetune == "qlora":
                 raise RuntimeError("merging a 4-bit QLoRA model is not supported; load the base in bf16 with the adapter and merge that")
-            merged = copy.deepcopy(self.backbone).merge_and_unload()
+            merged = (self.backbone if in_place else copy.deepcopy(self.backbone)).merge_and_unload()
+            if in_place:
+                self.backbone = merged
         else:
             merged = self.backbone
         merged.save_pretrained(out)
