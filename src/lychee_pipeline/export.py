@@ -4,7 +4,7 @@
 ``registry.describe_model_uri``) or a saved folder (a training stage's adapter folder). A registered version's
 logged model is downloaded into a temporary folder beside the output and its saved folder (the ``adapter``
 artifact of the pyfunc model, ``tracking.log_reranker_model``) is exported, with the version's evaluation figures
-(its ``metric.*`` tags, else its run's metrics) for the model card; a folder has none ("not evaluated").
+(its run's metrics, else the figures tagged on the version) for the model card; a folder has none ("not evaluated").
 
 The output folder: ``export.output_dir``, else ``data/06_models/exports/<name>``; a relative path is taken from the
 project root and may not leave it (``..``); ``<name>`` is one plain folder name. The merge itself is
@@ -78,17 +78,26 @@ def output_folder(params: ExportParams, name: str, root: Path) -> Path:
 
 
 def version_figures(client: Any, version: Any) -> dict[str, float]:
-    """The evaluation figures of a registered version: its ``metric.*`` tags (the registry node's), else the
-    metrics of the run it came from."""
+    """The evaluation figures of a registered version: the metrics of the run it came from (the version's
+    ``run_id``, or the ``run_id`` tag the registry node sets), else the figures tagged on the version itself
+    (``test.<gate metric>``, or the ``metric.*`` tags older versions carry)."""
+    run_id = version.run_id or (version.tags or {}).get("run_id")
+    if run_id:
+        try:
+            metrics = client.get_run(run_id).data.metrics
+        except Exception:  # noqa: BLE001 - a deleted run: the version's own tags are what is left
+            metrics = {}
+        if metrics:
+            return {k: float(v) for k, v in metrics.items()}
     figures = {}
     for key, value in (version.tags or {}).items():
-        if key.startswith("metric."):
-            try:
-                figures[key[len("metric."):]] = float(value)
-            except ValueError:
-                continue
-    if not figures and version.run_id:
-        figures = {k: float(v) for k, v in client.get_run(version.run_id).data.metrics.items()}
+        name = key[len("metric."):] if key.startswith("metric.") else key if key.startswith("test.") else None
+        if name is None:
+            continue
+        try:
+            figures[name] = float(value)
+        except ValueError:
+            continue
     return figures
 
 
