@@ -83,7 +83,7 @@ class ModelConfig:
     tiny_cache_dir: str | None = None
     fast_path: bool = True
     # one packed sequence per micro-batch, no padding tokens (reranker/packing.py); auto: where the family holds it
-    pack_pairs: bool | Literal["auto"] = True
+    pack_pairs: bool | Literal["auto"] = "auto"
     kernels: Literal["auto", "liger", "none"] = "auto"  # fused kernels at load: auto = liger on CUDA where installed
     compile_layers: bool = False  # torch.compile each decoder layer (reranker/kernels.py)
 
