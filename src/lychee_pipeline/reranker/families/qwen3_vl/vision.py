@@ -45,6 +45,15 @@ def enable_fast_path(model: nn.Module) -> nn.Module:
     return model
 
 
+def disable_fast_path(model: nn.Module) -> nn.Module:
+    """Back to the stock tower forward (the benchmarks switch variants on one model)."""
+    for tower in vision_towers(transformers_model(model)):
+        if getattr(tower, _FAST_ATTR, False):
+            del tower.forward
+            setattr(tower, _FAST_ATTR, False)
+    return model
+
+
 def vision_inputs_on_host(vision_config: Any, image_grid_thw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """Not used: packing is refused for this family (``REFUSED_FAST_PATHS``)."""
     raise NotImplementedError("the qwen3_vl family does not pack pairs (see REFUSED_FAST_PATHS)")
