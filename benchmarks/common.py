@@ -47,6 +47,22 @@ def architecture_name(tiny: bool = False) -> str:
     return f"{ARCHITECTURE['family']} {'tiny' if tiny else ARCHITECTURE['size']}"
 
 
+def disable_fast_path(model) -> None:
+    """The selected family's stock vision path again (benchmarks switch variants on one model)."""
+    if ARCHITECTURE["family"] == "qwen2_5_vl":
+        from lychee_pipeline.reranker.families.qwen2_5_vl.fast_vision import disable_fast_path as plain
+    else:
+        from lychee_pipeline.reranker.families.qwen3_vl.vision import disable_fast_path as plain
+    plain(model)
+
+
+def tiny_name() -> str:
+    """The built-in tiny model of the selected family (its processor stands in for the published one's)."""
+    from lychee_pipeline.reranker.tiny import TINY_MODELS
+
+    return next(name for name, (model_type, _) in TINY_MODELS.items() if model_type == ARCHITECTURE["family"])
+
+
 def patch_size() -> int:
     """The vision patch of the selected architecture (14 for Qwen2.5-VL, 16 for Qwen3-VL)."""
     return int(family().architecture_config("tiny").vision_config.patch_size)

@@ -3,6 +3,7 @@ batched scoring (``Reranker.score_pairs``) against a naive loop, on the same 512
 
     PYTHONPATH=src python benchmarks/inference.py           # CUDA GPU
     PYTHONPATH=src python benchmarks/inference.py --tiny    # the same code paths on a CPU
+    PYTHONPATH=src python benchmarks/inference.py --family qwen3_vl --size 8b   # Qwen3-VL-8B, padded batches
 
 Pairs: 64 queries x 8 documents; each pair ~600 text tokens +-50% and one 448x448 document image
 (256 visual tokens), fixed seed. Text goes through the project's processor and collator: the
@@ -48,8 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from lychee_pipeline.reranker.families import qwen2_5_vl  # noqa: E402
-from lychee_pipeline.reranker.families.qwen2_5_vl.fast_vision import disable_fast_path  # noqa: E402
+from lychee_pipeline.reranker.families import refused  # noqa: E402
 from lychee_pipeline.reranker.families.qwen2_5_vl.recipe import token_ids_of  # noqa: E402
 from lychee_pipeline.reranker.collate import PairCollator  # noqa: E402
 from lychee_pipeline.reranker.inference import Reranker, to_device  # noqa: E402
@@ -70,7 +70,7 @@ def make_pairs(processor, n_queries: int, docs_per_query: int, text_tokens: int,
     from PIL import Image
 
     tokenizer = processor.tokenizer
-    collator = PairCollator(processor)
+    collator = PairCollator(processor, family=common.family().NAME)
 
     rng = torch.Generator().manual_seed(seed)
 
@@ -102,14 +102,17 @@ def make_pairs(processor, n_queries: int, docs_per_query: int, text_tokens: int,
 
 
 def build(tiny: bool, device: torch.device, dtype: torch.dtype, tiny_dir: str) -> LycheeReranker:
-    processor = qwen2_5_vl.load_processor(str(ensure_tiny(tiny_dir)))
+    family = common.family()
+    processor = family.load_processor(str(ensure_tiny(str(Path(tiny_dir) / family.NAME), common.tiny_name())))
     tok = processor.tokenizer
     ids = token_ids_of(tok)
     model = common.build_model(common.build_config(tiny=tiny, **ids), device, dtype)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    cfg = ModelConfig(name_or_path="random:qwen2.5-vl-7b", finetune="frozen", pack_pairs=True)  # packing is switched on after the naive loop
+    # packing is switched on after the naive loop, where the family holds it
+    cfg = ModelConfig(name_or_path=f"random:{common.architecture_name(tiny)}", finetune="frozen",
+                      pack_pairs=refused(family, "pack_pairs") is None)
     reranker = LycheeReranker(model, processor, cfg, single_token_id(tok, "yes"), single_token_id(tok, "no"))
     reranker.eval()
     return reranker
@@ -118,7 +121,7 @@ def build(tiny: bool, device: torch.device, dtype: torch.dtype, tiny_dir: str) -
 @torch.inference_mode()
 def naive_scores(reranker: LycheeReranker, pairs, batch_size: int = 8) -> list[float]:
     """Batches of ``batch_size`` in input order, padded, full-vocabulary logits, p(yes) from the last position."""
-    collator = PairCollator(reranker.processor)
+    collator = PairCollator(reranker.processor, family=reranker.family.NAME)
     device = reranker.device
     scores: list[float] = []
     for start in range(0, len(pairs), batch_size):
@@ -297,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             f"({sum(Path(p).stat().st_size for p in paths) / len(paths) / 1024:.0f} KiB each)")
     t0 = time.perf_counter()
     pairs = make_pairs(reranker.processor, args.queries, args.docs, text_tokens, 0.5, side, args.seed, paths)
-    lengths = [PairCollator(reranker.processor).prepare(p)[2] for p in pairs[:64]]
+    lengths = [PairCollator(reranker.processor, family=reranker.family.NAME).prepare(p)[2] for p in pairs[:64]]
     log(f"{len(pairs)} pairs made in {time.perf_counter() - t0:.1f} s; tokens/pair incl. image (first 64): mean "
         f"{statistics.mean(lengths):.0f}, min {min(lengths)}, max {max(lengths)}")
 
@@ -305,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     ref = None
     if not args.skip_naive:  # naive loop (stock path)
-        disable_fast_path(reranker)
+        common.disable_fast_path(reranker)
         naive_scores(reranker, warm)
         common.reset_peak(device)
         ref, secs = timed(lambda: naive_scores(reranker, pairs), device)
@@ -315,10 +318,13 @@ def main(argv: list[str] | None = None) -> int:
     # the core as Reranker.from_pretrained sets a model up by default: fused kernels (model.kernels: auto, liger on
     # CUDA where installed) and packed pairs (model.pack_pairs); the naive loop above ran the stock model
     kernels = apply_kernels(reranker.base_model, "auto", device)
-    enable_packed_attention(reranker.base_model)
-    varlen = packing.varlen_attention_ready(device)
-    log(f"core set-up: fused kernels {kernels}, pairs packed (the library's defaults), attention over the packed "
-        f"pairs: {'one variable-length call per layer' if varlen else 'one SDPA call per pair'}")
+    if reranker.config.pack_pairs:
+        enable_packed_attention(reranker.base_model)
+        varlen = packing.varlen_attention_ready(device)
+        log(f"core set-up: fused kernels {kernels}, pairs packed (the library's defaults), attention over the packed "
+            f"pairs: {'one variable-length call per layer' if varlen else 'one SDPA call per pair'}")
+    else:
+        log(f"core set-up: fused kernels {kernels}, padded batches (the {reranker.family.NAME} family does not pack)")
 
     pipeline = {"prepare_workers": args.workers if args.workers == "auto" else int(args.workers),
                 "first_batch": args.first_batch if args.first_batch == "auto" else int(args.first_batch)}
@@ -330,9 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         variants.append((f"core-b{bs}", Reranker, bs, True, pipeline))
     scores = {}
     for name, cls, bs, fast, options in variants:
-        disable_fast_path(reranker)
+        common.disable_fast_path(reranker)
         if fast:
-            qwen2_5_vl.enable_fast_path(reranker)
+            common.family().enable_fast_path(reranker)
         scorer = cls(reranker, batch_size=bs, **options)
         scorer.score_pairs(warm)
         phases = instrument_all(scorer)
@@ -352,8 +358,8 @@ def main(argv: list[str] | None = None) -> int:
                                   + (", fast vision" if fast else ", stock vision"),
                          **({"vs_naive": compare(ref, scores[name], args.docs)} if ref is not None else {})}
     if args.images != "memory":  # host work in line (no overlap), and the device alone on the same batches
-        disable_fast_path(reranker)
-        qwen2_5_vl.enable_fast_path(reranker)
+        common.disable_fast_path(reranker)
+        common.family().enable_fast_path(reranker)
         serial = Reranker(reranker, batch_size=args.batch_size, prefetch_batches=0, **pipeline)
         common.reset_peak(device)
         scores["core-serial"], secs = timed(lambda: serial.score_pairs(pairs), device)
@@ -369,9 +375,9 @@ def main(argv: list[str] | None = None) -> int:
                                "same_scores_as_core": scores["gpu-only"] == scores["core"]}
     if args.fast_check > 0:  # the fast vision path alone: same scorer, same batches, with and without it
         sub = pairs[: args.fast_check]
-        disable_fast_path(reranker)
+        common.disable_fast_path(reranker)
         s_stock = Reranker(reranker, batch_size=args.batch_size).score_pairs(sub)
-        qwen2_5_vl.enable_fast_path(reranker)
+        common.family().enable_fast_path(reranker)
         s_fast = Reranker(reranker, batch_size=args.batch_size).score_pairs(sub)
         results["fast_vs_stock_vision"] = compare(s_stock, s_fast, args.docs)
 
