@@ -226,3 +226,25 @@ def test_the_published_sizes_build_configs_with_their_dimensions():
     assert two.text_config.rope_parameters["mrope_section"] == [24, 20, 20]
     with pytest.raises(ValueError, match=r"^unknown Qwen3-VL size '4b'; known: 2b, 8b, tiny$"):
         qwen3_vl.architecture_config("4b")
+
+
+def test_the_benchmarks_build_qwen3_vl_and_feed_it_patch_16_groups(monkeypatch):
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "common.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_common_qwen3", path)
+    common = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, common)
+    spec.loader.exec_module(common)
+    with pytest.raises(SystemExit, match=r"^--size: qwen3_vl has sizes 2b, 8b, not '7b'$"):
+        common.select_architecture("qwen3_vl", "7b")
+    common.select_architecture("qwen3_vl", "8b")
+    assert common.build_config().text_config.num_hidden_layers == 36 and common.patch_size() == 16
+    model = common.build_model(common.build_config(tiny=True), torch.device("cpu"), torch.float32)
+    assert model.config.model_type == "qwen3_vl"
+    group = common.synthetic_group(common.Shape(group_size=2, text_tokens=40, image_side=64, query_tokens=8), seed=0)
+    assert group["pixel_values"].shape[1] == 3 * 2 * 16 * 16 and group["image_grid_thw"].tolist() == [[1, 4, 4]] * 2
+    with torch.no_grad():
+        out = model.model(**{k: v for k, v in group.items() if k not in ("labels", "group_size")})
+    assert out.last_hidden_state.shape[0] == 2 and torch.isfinite(out.last_hidden_state).all()
