@@ -1,5 +1,5 @@
-"""Shared pieces of the GPU benchmarks: the Qwen2.5-VL-7B architecture with random weights, synthetic
-Lychee-shaped inputs, timing and MFU.
+"""Shared pieces of the GPU benchmarks: a published architecture with random weights (Qwen2.5-VL-7B, the default;
+Qwen3-VL-2B / -8B with ``--family qwen3_vl --size 2b|8b``), synthetic Lychee-shaped inputs, timing and MFU.
 
 Needs only torch, transformers, peft (and the project's reranker package on ``PYTHONPATH=src``).
 ``tiny=True`` gives the miniature of the same architecture that ``builtin:tiny`` is built with, so every code
@@ -19,8 +19,53 @@ from typing import Any, Callable
 
 import torch
 
-from lychee_pipeline.reranker.families import qwen2_5_vl
+from lychee_pipeline.reranker.families import family_for
 from lychee_pipeline.reranker.families.qwen2_5_vl.recipe import TOKEN_IDS
+
+# The architecture the benchmark builds: family (a model_type of families.FAMILIES) and published size;
+# ``--family`` / ``--size`` (add_run_args) set it. Qwen3-VL uses the same special token ids as Qwen2.5-VL.
+SIZES = {"qwen2_5_vl": ("7b",), "qwen3_vl": ("2b", "8b")}
+ARCHITECTURE = {"family": "qwen2_5_vl", "size": "7b"}
+
+
+def select_architecture(family: str = "qwen2_5_vl", size: str | None = None) -> None:
+    """Build ``family`` at ``size`` (its first published size when None) from here on; one-line error otherwise."""
+    if family not in SIZES:
+        raise SystemExit(f"--family: unknown family {family!r}; known: {', '.join(SIZES)}")
+    size = size or SIZES[family][0]
+    if size not in SIZES[family]:
+        raise SystemExit(f"--size: {family} has sizes {', '.join(SIZES[family])}, not {size!r}")
+    ARCHITECTURE.update(family=family, size=size)
+
+
+def family():
+    """The family module of the selected architecture (decoder layers, checkpointing, fast path, model class)."""
+    return family_for(ARCHITECTURE["family"])
+
+
+def architecture_name(tiny: bool = False) -> str:
+    return f"{ARCHITECTURE['family']} {'tiny' if tiny else ARCHITECTURE['size']}"
+
+
+def disable_fast_path(model) -> None:
+    """The selected family's stock vision path again (benchmarks switch variants on one model)."""
+    if ARCHITECTURE["family"] == "qwen2_5_vl":
+        from lychee_pipeline.reranker.families.qwen2_5_vl.fast_vision import disable_fast_path as plain
+    else:
+        from lychee_pipeline.reranker.families.qwen3_vl.vision import disable_fast_path as plain
+    plain(model)
+
+
+def tiny_name() -> str:
+    """The built-in tiny model of the selected family (its processor stands in for the published one's)."""
+    from lychee_pipeline.reranker.tiny import TINY_MODELS
+
+    return next(name for name, (model_type, _) in TINY_MODELS.items() if model_type == ARCHITECTURE["family"])
+
+
+def patch_size() -> int:
+    """The vision patch of the selected architecture (14 for Qwen2.5-VL, 16 for Qwen3-VL)."""
+    return int(family().architecture_config("tiny").vision_config.patch_size)
 
 # Qwen2.5-VL-7B-Instruct's token ids (the synthetic inputs are in its vocabulary)
 IMAGE_TOKEN_ID = TOKEN_IDS["image_token_id"]
@@ -65,20 +110,21 @@ def log(msg: str) -> None:
 
 
 def build_config(tiny: bool = False, **token_ids: int):
-    """Qwen2_5_VLConfig with the published 7B dimensions, or with ``tiny`` the miniature ``builtin:tiny`` is built
-    with (the same recipe, ``families/qwen2_5_vl/recipe.py``); random init only. ``token_ids`` override Qwen's ids
+    """The selected family's config at its published size (Qwen2.5-VL: 7B), or with ``tiny`` the miniature its
+    built-in tiny model is built with (the family's recipe); random init only. ``token_ids`` override Qwen's ids
     (e.g. to match a tokenizer)."""
-    return qwen2_5_vl.architecture_config("tiny" if tiny else "7b", token_ids=token_ids)
+    return family().architecture_config("tiny" if tiny else ARCHITECTURE["size"], token_ids=token_ids)
 
 
 def build_model(config, device: torch.device, dtype: torch.dtype, attn_implementation: str = "sdpa", seed: int = 0):
-    """``Qwen2_5_VLForConditionalGeneration`` with random weights created directly on ``device``."""
+    """The family's model class (``Qwen2_5_VLForConditionalGeneration``, ``Qwen3VLForConditionalGeneration``) with
+    random weights created directly on ``device``."""
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = qwen2_5_vl.model_class()._from_config(config, attn_implementation=attn_implementation)
+            model = family().model_class()._from_config(config, attn_implementation=attn_implementation)
     finally:
         torch.set_default_dtype(previous)
     model.to(dtype)
@@ -111,7 +157,7 @@ def _pair_ids(rng: torch.Generator, query: list[int], n_text: int, image_tokens:
     return ids, types
 
 
-def synthetic_group(shape: Shape, seed: int, patch: int = 14, merge: int = 2, temporal: int = 2) -> dict[str, Any]:
+def synthetic_group(shape: Shape, seed: int, patch: int | None = None, merge: int = 2, temporal: int = 2) -> dict[str, Any]:
     """One group of ``shape.group_size`` pairs as processor-like outputs (left padded, CPU tensors).
 
     Keys: input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw, labels (1.0 on the
@@ -119,6 +165,7 @@ def synthetic_group(shape: Shape, seed: int, patch: int = 14, merge: int = 2, te
     document image differ per pair.
     """
     rng = torch.Generator().manual_seed(seed)
+    patch = patch or patch_size()
     lo, hi = TEXT_ID_RANGE
     query = [IM_START_ID] + torch.randint(lo, hi, (shape.query_tokens - 1,), generator=rng).tolist()
     grid = shape.image_side // patch
@@ -277,13 +324,17 @@ def add_run_args(parser, seed: int) -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                         help="weights and activations on CUDA (default bfloat16; float32 for exactness checks)")
+    parser.add_argument("--family", choices=tuple(SIZES), default="qwen2_5_vl",
+                        help="the architecture's family: qwen2_5_vl (Lychee-rerank-mm) or qwen3_vl (Qwen3-VL-Reranker)")
+    parser.add_argument("--size", default=None, help="published size: 7b (qwen2_5_vl); 2b or 8b (qwen3_vl)")
 
 
 def pick_device(parser, args) -> tuple[torch.device, torch.dtype]:
     """CUDA in bf16 (or --dtype) when there is a GPU; the CPU in fp32 only for the --tiny code-path check."""
+    select_architecture(args.family, args.size)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.tiny:
-        parser.error("the 7B benchmark needs a CUDA GPU; use --tiny on a CPU")
+        parser.error(f"the {architecture_name()} benchmark needs a CUDA GPU; use --tiny on a CPU")
     dtype = args.dtype
     if device.type == "cpu":
         return device, torch.float32

@@ -3,6 +3,7 @@ batched scoring (``Reranker.score_pairs``) against a naive loop, on the same 512
 
     PYTHONPATH=src python benchmarks/inference.py           # CUDA GPU
     PYTHONPATH=src python benchmarks/inference.py --tiny    # the same code paths on a CPU
+    PYTHONPATH=src python benchmarks/inference.py --family qwen3_vl --size 8b   # Qwen3-VL-8B, padded batches
 
 Pairs: 64 queries x 8 documents; each pair ~600 text tokens +-50% and one 448x448 document image
 (256 visual tokens), fixed seed. Text goes through the project's processor and collator: the
@@ -48,8 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from lychee_pipeline.reranker.families import qwen2_5_vl  # noqa: E402
-from lychee_pipeline.reranker.families.qwen2_5_vl.fast_vision import disable_fast_path  # noqa: E402
+from lychee_pipeline.reranker.families import refused  # noqa: E402
 from lychee_pipeline.reranker.families.qwen2_5_vl.recipe import token_ids_of  # noqa: E402
 from lychee_pipeline.reranker.collate import PairCollator  # noqa: E402
 from lychee_pipeline.reranker.inference import Reranker, to_device  # noqa: E402
@@ -70,7 +70,7 @@ def make_pairs(processor, n_queries: int, docs_per_query: int, text_tokens: int,
     from PIL import Image
 
     tokenizer = processor.tokenizer
-    collator = PairCollator(processor)
+    collator = PairCollator(processor, family=common.family().NAME)
 
     rng = torch.Generator().manual_seed(seed)
 
@@ -109,14 +109,17 @@ def make_pairs(processor, n_queries: int, docs_per_query: int, text_tokens: int,
 
 
 def build(tiny: bool, device: torch.device, dtype: torch.dtype, tiny_dir: str) -> LycheeReranker:
-    processor = qwen2_5_vl.load_processor(str(ensure_tiny(tiny_dir)))
+    family = common.family()
+    processor = family.load_processor(str(ensure_tiny(str(Path(tiny_dir) / family.NAME), common.tiny_name())))
     tok = processor.tokenizer
     ids = token_ids_of(tok)
     model = common.build_model(common.build_config(tiny=tiny, **ids), device, dtype)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    cfg = ModelConfig(name_or_path="random:qwen2.5-vl-7b", finetune="frozen", pack_pairs=True)  # packing is switched on after the naive loop
+    # packing is switched on after the naive loop, where the family holds it
+    cfg = ModelConfig(name_or_path=f"random:{common.architecture_name(tiny)}", finetune="frozen",
+                      pack_pairs=refused(family, "pack_pairs") is None)
     reranker = LycheeReranker(model, processor, cfg, single_token_id(tok, "yes"), single_token_id(tok, "no"))
     reranker.eval()
     return reranker
@@ -125,7 +128,7 @@ def build(tiny: bool, device: torch.device, dtype: torch.dtype, tiny_dir: str) -
 @torch.inference_mode()
 def naive_scores(reranker: LycheeReranker, pairs, batch_size: int = 8) -> list[float]:
     """Batches of ``batch_size`` in input order, padded, full-vocabulary logits, p(yes) from the last position."""
-    collator = PairCollator(reranker.processor)
+    collator = PairCollator(reranker.processor, family=reranker.family.NAME)
     device = reranker.device
     scores: list[float] = []
     for start in range(0, len(pairs), batch_size):
@@ -411,7 +414,7 @@ def make_inputs(args, reranker, tiny_dir: str) -> list:
     t0 = time.perf_counter()
     pairs = make_pairs(reranker.processor, args.queries, args.docs, text_tokens, 0.5, side, args.seed, paths,
                        args.query_images)
-    lengths = [PairCollator(reranker.processor).prepare(p)[2] for p in pairs[:64]]
+    lengths = [PairCollator(reranker.processor, family=reranker.family.NAME).prepare(p)[2] for p in pairs[:64]]
     log(f"{len(pairs)} pairs made in {time.perf_counter() - t0:.1f} s; tokens/pair incl. image (first 64): mean "
         f"{statistics.mean(lengths):.0f}, min {min(lengths)}, max {max(lengths)}")
     return pairs
@@ -434,9 +437,9 @@ def run_core_variants(args, reranker, pairs, device, params, peaks, ref, pipelin
     for bs in [int(b) for b in args.overlap.split(",") if b.strip()]:
         variants.append((f"core-b{bs}", bs, True, pipeline))
     for name, bs, fast, options in variants:
-        disable_fast_path(reranker)
+        common.disable_fast_path(reranker)
         if fast:
-            qwen2_5_vl.enable_fast_path(reranker)
+            common.family().enable_fast_path(reranker)
         scorer = Reranker(reranker, batch_size=bs, **options)
         scorer.score_pairs(pairs[:16])
         phases = instrument_all(scorer)
@@ -460,8 +463,8 @@ def run_core_variants(args, reranker, pairs, device, params, peaks, ref, pipelin
 
 def run_device_alone(args, reranker, pairs, device, params, peaks, pipeline: dict, results: dict, scores: dict) -> None:
     """JPEG paths: the core with host work in line (no overlap), and the device alone on the same batches."""
-    disable_fast_path(reranker)
-    qwen2_5_vl.enable_fast_path(reranker)
+    common.disable_fast_path(reranker)
+    common.family().enable_fast_path(reranker)
     serial = Reranker(reranker, batch_size=args.batch_size, prefetch_batches=0, **pipeline)
     common.reset_peak(device)
     scores["core-serial"], r = timed_with_work(lambda: serial.score_pairs(pairs), device, reranker, len(pairs),
@@ -571,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results, scores, ref = {}, {}, None
     if not args.skip_naive:  # naive loop (stock path)
-        disable_fast_path(reranker)
+        common.disable_fast_path(reranker)
         naive_scores(reranker, pairs[:16])
         common.reset_peak(device)
         ref, r = timed_with_work(lambda: naive_scores(reranker, pairs), device, reranker.base_model, len(pairs),
@@ -582,10 +585,13 @@ def main(argv: list[str] | None = None) -> int:
     # the core as Reranker.from_pretrained sets a model up by default: fused kernels (model.kernels: auto, liger on
     # CUDA where installed) and packed pairs (model.pack_pairs); the naive loop above ran the stock model
     kernels = apply_kernels(reranker.base_model, "auto", device)
-    enable_packed_attention(reranker.base_model)
-    varlen = packing.varlen_attention_ready(device)
-    log(f"core set-up: fused kernels {kernels}, pairs packed (the library's defaults), attention over the packed "
-        f"pairs: {'one variable-length call per layer' if varlen else 'one SDPA call per pair'}")
+    if reranker.config.pack_pairs:
+        enable_packed_attention(reranker.base_model)
+        varlen = packing.varlen_attention_ready(device)
+        log(f"core set-up: fused kernels {kernels}, pairs packed (the library's defaults), attention over the packed "
+            f"pairs: {'one variable-length call per layer' if varlen else 'one SDPA call per pair'}")
+    else:
+        log(f"core set-up: fused kernels {kernels}, padded batches (the {reranker.family.NAME} family does not pack)")
     pipeline = {"prepare_workers": args.workers if args.workers == "auto" else int(args.workers),
                 "first_batch": args.first_batch if args.first_batch == "auto" else int(args.first_batch)}
     run_core_variants(args, reranker, pairs, device, params, peaks, ref, pipeline, results, scores)
@@ -595,9 +601,9 @@ def main(argv: list[str] | None = None) -> int:
         run_device_alone(args, reranker, pairs, device, params, peaks, pipeline, results, scores)
     if args.fast_check > 0:  # the fast vision path alone: same scorer, same batches, with and without it
         sub = pairs[: args.fast_check]
-        disable_fast_path(reranker)
+        common.disable_fast_path(reranker)
         s_stock = Reranker(reranker, batch_size=args.batch_size).score_pairs(sub)
-        qwen2_5_vl.enable_fast_path(reranker)
+        common.family().enable_fast_path(reranker)
         s_fast = Reranker(reranker, batch_size=args.batch_size).score_pairs(sub)
         results["fast_vs_stock_vision"] = compare(s_stock, s_fast, args.docs)
     if args.fp8:  # last: it converts the model in place

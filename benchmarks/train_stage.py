@@ -3,6 +3,7 @@
     PYTHONPATH=src python benchmarks/train_stage.py                 # one CUDA GPU: 7B architecture, random weights
     PYTHONPATH=src python benchmarks/train_stage.py --lengths 850   # one text length only (a shorter command)
     PYTHONPATH=src python benchmarks/train_stage.py --tiny          # the same path on a CPU, in a few minutes
+    PYTHONPATH=src python benchmarks/train_stage.py --family qwen3_vl --size 2b   # Qwen3-VL-2B (padded batches)
 
 What runs, per text length (~850 and ~1400 tokens per pair, 1 query + 1 document image each):
 
@@ -107,9 +108,10 @@ def write_table(folder: Path, processor, images: list[str], records: int, negati
     from lychee_pipeline.reranker.collate import PairCollator
     from lychee_pipeline.reranker.prompt import instruction_for
 
-    collator = PairCollator(processor, max_length=8192, min_pixels=min_pixels, max_pixels=max_pixels)
+    collator = PairCollator(processor, max_length=8192, min_pixels=min_pixels, max_pixels=max_pixels,
+                            family=common.family().NAME)
     rng = torch.Generator().manual_seed(seed)
-    instruction = instruction_for("t2it")
+    instruction = instruction_for("t2it", defaults=common.family().DEFAULT_INSTRUCTIONS)
     query = {"text": text_of_tokens(processor.tokenizer, 16, rng), "image": None}
     overhead = collator.measure((query, {"text": "x", "image": images[0]}, instruction)) - 1
     rows, n_img = [], 0
@@ -140,14 +142,17 @@ def write_table(folder: Path, processor, images: list[str], records: int, negati
 
 
 def save_model_folder(folder: Path, tiny: bool, device: torch.device, dtype: torch.dtype) -> Path:
-    """The 7B (or tiny) architecture with random weights + the built-in tiny processor, as a model folder."""
-    from lychee_pipeline.reranker.families.qwen2_5_vl import load_processor, save_processor
+    """The selected architecture (7B, 2B, 8B or tiny) with random weights + its family's built-in tiny processor
+    (the same special tokens, chat template and image processing), as a model folder."""
     from lychee_pipeline.reranker.families.qwen2_5_vl.recipe import token_ids_of
-    from lychee_pipeline.reranker.tiny import ensure_tiny
+    from lychee_pipeline.reranker.tiny import TINY_MODELS, ensure_tiny
 
     if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file():
         return folder
-    processor = load_processor(str(ensure_tiny(str(folder.parent / "tiny_processor"))))
+    family = common.family()
+    tiny_name = next(name for name, (model_type, _) in TINY_MODELS.items() if model_type == family.NAME)
+    load_processor, save_processor = family.load_processor, family.save_processor
+    processor = load_processor(str(ensure_tiny(str(folder.parent / f"tiny_processor_{family.NAME}"), tiny_name)))
     config = common.build_config(tiny=tiny, **token_ids_of(processor.tokenizer))
     model = common.build_model(config, device, dtype)
     tmp = folder.with_name(folder.name + ".tmp")
@@ -236,7 +241,6 @@ def isolated_step(args, data: Path, folder: Path, device: torch.device, layers: 
     import datasets
 
     from lychee_pipeline.reranker import GroupCollator, ModelConfig, load_reranker
-    from lychee_pipeline.reranker.families.qwen2_5_vl import apply_selective_checkpointing
     from lychee_pipeline.reranker.losses import LossOptions, get_loss
     from lychee_pipeline.training.step import MicroBatch, OneProcess, TrainStep
     from lychee_pipeline.training.step_timing import StepTiming
@@ -247,9 +251,10 @@ def isolated_step(args, data: Path, folder: Path, device: torch.device, layers: 
     t0 = time.perf_counter()
     reranker = load_reranker(cfg, device)
     load_s = time.perf_counter() - t0
-    apply_selective_checkpointing(reranker, layers=layers)
+    reranker.family.apply_selective_checkpointing(reranker, layers=layers)
     collator = GroupCollator(reranker.processor, group_size=args.group_size, max_length=args.max_length,
-                             min_pixels=args.min_pixels, max_pixels=args.max_pixels, seed=args.seed)
+                             min_pixels=args.min_pixels, max_pixels=args.max_pixels, seed=args.seed,
+                             family=reranker.family.NAME)
     groups, collate_times = [], []
     for i in range(args.step_groups):
         t1 = time.perf_counter()
@@ -370,8 +375,8 @@ def argument_parser() -> argparse.ArgumentParser:
                              "setting to change and the stage is not run")
     parser.add_argument("--no-step", action="store_true", help="leave the isolated step out (the stage against the "
                         "memory budget alone, e.g. --memory-budget-gib 22, 38, 70 in less device time)")
-    parser.add_argument("--pack-pairs", action=argparse.BooleanOptionalAction, default=True,
-                        help="model.pack_pairs (the project's default: on): pairs packed without padding")
+    parser.add_argument("--pack-pairs", action=argparse.BooleanOptionalAction, default="auto",
+                        help="model.pack_pairs (the project's default: auto, packed where the family holds it)")
     parser.add_argument("--kernels", choices=("auto", "liger", "none"), default="auto",
                         help="model.kernels (the project's default: auto)")
     parser.add_argument("--compile-layers", action="store_true", help="model.compile_layers: torch.compile the layers")
@@ -464,11 +469,10 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
 
     t0 = time.perf_counter()
-    folder = save_model_folder(work / ("model_tiny" if tiny else "model_7b"), tiny, device, dtype)
+    arch = common.architecture_name(tiny).replace(" ", "_")
+    folder = save_model_folder(work / f"model_{arch}", tiny, device, dtype)
     log(f"model folder {folder} ready in {time.perf_counter() - t0:.1f} s")
-    from lychee_pipeline.reranker.families.qwen2_5_vl import load_processor
-
-    processor = load_processor(str(folder))
+    processor = common.family().load_processor(str(folder))
     t0 = time.perf_counter()
     images = make_jpegs(work / "images", 48, args.image_side, args.seed)
     log(f"{len(images)} JPEGs of {args.image_side}x{args.image_side} in {time.perf_counter() - t0:.1f} s "

@@ -1,7 +1,10 @@
-"""Training-step benchmark on the Qwen2.5-VL-7B architecture (random weights, bf16, LoRA r=16 on q/k/v/o).
+"""Training-step benchmark on the Qwen2.5-VL-7B architecture (random weights, bf16, LoRA r=16 on q/k/v/o), or
+Qwen3-VL-2B / -8B (``--family qwen3_vl --size 2b|8b``; variants a, b, c<K> only: its family refuses packing and
+liger, and has no batched-window vision path).
 
     PYTHONPATH=src python benchmarks/train_step.py            # on a CUDA GPU (the figures of docs/benchmarks.md)
     PYTHONPATH=src python benchmarks/train_step.py --tiny     # the same code paths on a CPU, in seconds
+    PYTHONPATH=src python benchmarks/train_step.py --family qwen3_vl --size 2b --variants a,c28,c14,c0
 
 Inputs: groups of 8 pairs (1 positive + 7 negatives), ~600 text tokens +-25% and one 448x448 image
 (256 visual tokens) per pair, from a fixed seed; every variant sees the same groups in the same order.
@@ -54,7 +57,7 @@ import common  # noqa: E402
 
 from lychee_pipeline.reranker import kernels as fused_kernels  # noqa: E402
 from lychee_pipeline.reranker import packing  # noqa: E402
-from lychee_pipeline.reranker.families import qwen2_5_vl  # noqa: E402
+from lychee_pipeline.reranker.families import require_fast_path  # noqa: E402
 from lychee_pipeline.reranker.families.qwen2_5_vl.fast_vision import disable_fast_path  # noqa: E402
 from lychee_pipeline.reranker.losses import LossOptions, get_loss, listwise_loss  # noqa: E402
 from lychee_pipeline.reranker.model import (  # noqa: E402
@@ -81,7 +84,8 @@ def log(msg: str) -> None:
 def build_reranker(tiny: bool, device: torch.device, dtype: torch.dtype) -> LycheeReranker:
     """The 7B architecture, random weights on ``device``, prepared as ``load_reranker`` prepares a
     LoRA fine-tune (the project's own LoRA / freezing functions), wrapped in ``LycheeReranker``."""
-    cfg = ModelConfig(name_or_path="random:qwen2.5-vl-7b", finetune="lora", lora={"r": 16, "alpha": 32, "dropout": 0.05})
+    cfg = ModelConfig(name_or_path=f"random:{common.architecture_name(tiny)}", finetune="lora",
+                      lora={"r": 16, "alpha": 32, "dropout": 0.05})
     config = common.build_config(tiny=tiny)
     model = common.build_model(config, device, dtype, attn_implementation=cfg.attn_implementation)
     model = _apply_lora(model, cfg)
@@ -98,13 +102,13 @@ def set_checkpointing(reranker: LycheeReranker, layers: int | None) -> int:
         if getattr(hf_model, "_require_grads_hooks", None):
             hf_model.disable_input_require_grads()  # do not stack hooks when switching back and forth
         enable_activation_checkpointing(hf_model)
-        return len(qwen2_5_vl.decoder_layers(hf_model))
+        return len(common.family().decoder_layers(hf_model))
     if layers == 0:
-        qwen2_5_vl.apply_selective_checkpointing(reranker, 0)
+        common.family().apply_selective_checkpointing(reranker, 0)
         if hasattr(hf_model, "disable_input_require_grads") and getattr(hf_model, "_require_grads_hooks", None):
             hf_model.disable_input_require_grads()  # a fresh model without checkpointing has no such hooks
         return 0
-    return qwen2_5_vl.apply_selective_checkpointing(reranker, layers)
+    return common.family().apply_selective_checkpointing(reranker, layers)
 
 
 def model_inputs(batch: dict) -> dict:
@@ -185,7 +189,7 @@ def set_liger(reranker: LycheeReranker, on: bool) -> None:
 
 
 def set_compile(reranker: LycheeReranker, on: bool) -> None:
-    layers = qwen2_5_vl.decoder_layers(reranker)
+    layers = common.family().decoder_layers(reranker)
     if on and any(layer._compiled_call_impl is None for layer in layers):
         fused_kernels.compile_decoder_layers(reranker)
     elif not on:
@@ -213,11 +217,24 @@ def set_fp8(reranker: LycheeReranker, on: bool) -> None:
 
 
 def configure(reranker: LycheeReranker, spec: dict) -> None:
-    disable_fast_path(reranker)
-    if spec["fast"] == "all":
-        qwen2_5_vl.enable_fast_path(reranker)
-    elif spec["fast"] == "windows":
-        qwen2_5_vl.enable_fast_path(reranker, frozen_vision_no_grad=False)
+    family = common.family()
+    for lever, fast_path in (("pack", "pack_pairs"), ("liger", "kernels")):
+        if spec.get(lever):
+            require_fast_path(family, fast_path)  # one line: the family refuses it
+    if family.NAME != "qwen2_5_vl":  # only Qwen2.5-VL has the batched-window vision path
+        if spec["fast"] == "windows":
+            raise SystemExit(f"variant {spec.get('name')}: the {family.NAME} family has no batched-window vision path")
+        from lychee_pipeline.reranker.families.qwen3_vl.vision import disable_fast_path as plain_tower
+
+        plain_tower(reranker)
+        if spec["fast"] == "all":
+            family.enable_fast_path(reranker)  # its frozen tower without autograd
+    else:
+        disable_fast_path(reranker)
+        if spec["fast"] == "all":
+            family.enable_fast_path(reranker)
+        elif spec["fast"] == "windows":
+            family.enable_fast_path(reranker, frozen_vision_no_grad=False)
     set_checkpointing(reranker, spec["ckpt"])
     # the packed attention function is plain SDPA for padded batches: once enabled it stays
     if spec.get("pack"):
@@ -232,7 +249,7 @@ def auto_checkpointing(reranker: LycheeReranker, groups_cpu: list, budget_gib: f
     """What ``activation_checkpointing: auto`` picks for these groups, padded and packed (training/memory.py)."""
     text = reranker.base_model.config.text_config
     weights = memory.weights_bytes(reranker)
-    layers = len(qwen2_5_vl.decoder_layers(reranker))
+    layers = len(common.family().decoder_layers(reranker))
     padded = max(int(g["attention_mask"].numel()) for g in groups_cpu)
     packed = max(int(g["attention_mask"].sum()) for g in groups_cpu)
     return {kind: memory.choose_checkpoint_layers(tokens, int(text.hidden_size), layers, weights, budget_gib)
@@ -567,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     n_lm, n_vis, n_total = common.count_params(reranker)
     trainable = [p for p in reranker.parameters() if p.requires_grad]
     n_train = sum(p.numel() for p in trainable)
-    num_layers = len(qwen2_5_vl.decoder_layers(reranker))
+    num_layers = len(common.family().decoder_layers(reranker))
     log(f"model built in {time.perf_counter() - t0:.1f} s: LM {n_lm / 1e9:.3f}B, vision {n_vis / 1e9:.3f}B, "
         f"total {n_total / 1e9:.3f}B, LoRA trainable {n_train / 1e6:.2f}M, {num_layers} decoder layers")
     optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0, fused=True)  # as the DDP stage's

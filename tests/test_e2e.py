@@ -155,3 +155,19 @@ def test_cli_refuses_more_gpus_than_visible(tmp_path):
     )
     assert proc.returncode != 0
     assert "gpus=4 asks for more GPUs than the 0 visible" in proc.stdout + proc.stderr
+
+
+def test_smoke_on_the_tiny_qwen3_vl_model_lifts_mrr(tmp_path):
+    """The second family through the same chain (issue 31): `kedro run --pipelines smoke` with
+    `model.name_or_path=builtin:tiny-qwen3-vl` alone, trained padded (its family refuses packing) and lifting MRR@10."""
+    from project_runs import kedro_run, make_cli_project
+
+    root = make_cli_project(tmp_path / "project")
+    log = kedro_run(root / "notebooks", "--pipelines", "smoke", "--params", "model.name_or_path=builtin:tiny-qwen3-vl")
+    assert "pack_pairs auto: padded batches (the qwen3_vl family does not pack pairs" in log
+    metrics = json.loads((root / "data/08_reporting/evaluation_mlflow_metrics.json").read_text())
+    base, tuned = metrics["test.mrr_at_10.base"], metrics["test.mrr_at_10.finetuned"]
+    assert tuned > base + 0.1, f"fine-tuned MRR@10 {tuned:.3f} does not beat base {base:.3f} by 0.1"
+    adapters = list((root / "data/06_models").rglob("lychee_reranker.json"))
+    assert adapters and all(json.loads(a.read_text())["base_model"] == "builtin:tiny-qwen3-vl" for a in adapters)
+    assert (root / "data/06_models/builtin_tiny_qwen3_vl/config.json").is_file()

@@ -57,7 +57,7 @@ def test_unknown_sizes_token_ids_and_families_are_one_line_errors(tiny_dir):
         qwen2_5_vl.architecture_config("3b")
     with pytest.raises(ValueError, match=r"^unknown token ids \['bos_id'\]"):
         qwen2_5_vl.architecture_config("tiny", token_ids={"bos_id": 1})
-    with pytest.raises(ValueError, match=r"^no model family for model_type 'llama'; known: qwen2_5_vl$"):
+    with pytest.raises(ValueError, match=r"^no model family for model_type 'llama'; known: qwen2_5_vl, qwen3_vl$"):
         families.family_for("llama")
     assert families.family_of(tiny_dir) is qwen2_5_vl
 

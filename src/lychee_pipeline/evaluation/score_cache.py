@@ -42,10 +42,10 @@ def folder_hash(path: Path | str) -> str:
 def model_identity(name_or_path: str, adapter: str | None = None) -> dict[str, str]:
     """``{"model": id or "folder sha256:<hex>", "adapter": ...}`` (a folder is identified by its content)."""
     def one(value: str) -> str:
-        if value == "builtin:tiny":  # built from a recipe: a changed recipe is another model
+        if value.startswith("builtin:"):  # built from a recipe: a changed recipe is another model
             from lychee_pipeline.reranker.tiny import recipe_hash
 
-            return f"builtin:tiny recipe {recipe_hash()}"
+            return f"{value} recipe {recipe_hash(value)}"
         return f"folder sha256:{folder_hash(value)}" if Path(value).is_dir() else str(value)
 
     out = {"model": one(str(name_or_path))}

@@ -37,7 +37,7 @@ from lychee_pipeline.evaluation.score_shards import (
     score_pairs_in_slices,
     write_pairs,
 )
-from lychee_pipeline.reranker.model import ModelConfig
+from lychee_pipeline.reranker.model import ModelConfig, family_of_config
 from lychee_pipeline.reranker.prompt import instruction_for
 from lychee_pipeline.runtime.errors import validated
 from lychee_pipeline.runtime.launcher import LaunchJob, StageFailed, check_device_count, launch, resolve_device
@@ -152,14 +152,15 @@ def score_rows(queries: Sequence[Mapping[str, Any]], model: str, values: Sequenc
     return pd.DataFrame(rows, columns=SCORE_COLUMNS)
 
 
-def query_pairs(queries: Sequence[Mapping[str, Any]],
-                instructions: Mapping[str, str] | None = None) -> list[tuple[dict, dict, str | None]]:
-    """Every (query item, candidate item, instruction) triple, query by query.
+def query_pairs(queries: Sequence[Mapping[str, Any]], instructions: Mapping[str, str] | None = None,
+                defaults: Mapping[str, str] | None = None) -> list[tuple[dict, dict, str | None]]:
+    """Every (query item, candidate item, instruction) triple, query by query (``defaults``: the model family's
+    default instructions, Lychee-rerank-mm's when None).
 
     The instruction follows the query's task type, as in training, where a record's task type sets the
     instruction of every document of its group; None (no task type) lets the reranker derive it per pair.
     """
-    return [(q["query"], c["item"], instruction_for(q["task_type"], instructions) if q.get("task_type") else None)
+    return [(q["query"], c["item"], instruction_for(q["task_type"], instructions, defaults) if q.get("task_type") else None)
             for q in queries for c in q["candidates"]]
 
 
@@ -169,7 +170,7 @@ def score_candidates(queries: Sequence[Mapping[str, Any]], model: str, reranker:
     All (query, candidate) pairs go to ``reranker.score_pairs`` in large slices, so the reranker can sort
     them by length and batch them across queries; each pair carries its query's instruction (query_pairs).
     """
-    pairs = query_pairs(queries, reranker.processing.instructions)
+    pairs = query_pairs(queries, reranker.processing.instructions, reranker.collator.family_module.DEFAULT_INSTRUCTIONS)
     return score_rows(queries, model, score_pairs_in_slices(reranker, pairs, f"scoring with {model}"))
 
 
@@ -245,14 +246,14 @@ class ScoredQueries:
     pairs: dict[str, list | None]  # "all", "sample" (None when the sample is every query)
 
     @classmethod
-    def of(cls, test_records: Any, params: EvaluationParams) -> ScoredQueries:
+    def of(cls, test_records: Any, params: EvaluationParams, defaults: Mapping[str, str] | None = None) -> ScoredQueries:
         queries = candidate_table(test_records, params.seed)
         if params.max_queries:  # a deterministic slice (the smoke run's "small test slice")
             queries = queries[: params.max_queries]
         sample = sample_queries(queries, params.check_stage_queries, params.seed)
         return cls(queries, sample, {
-            "all": query_pairs(queries, params.instructions),
-            "sample": query_pairs(sample, params.instructions) if len(sample) < len(queries) else None})
+            "all": query_pairs(queries, params.instructions, defaults),
+            "sample": query_pairs(sample, params.instructions, defaults) if len(sample) < len(queries) else None})
 
     def which(self, model: ModelToScore) -> str:
         return "all" if model.all_queries or self.pairs["sample"] is None else "sample"
@@ -288,7 +289,7 @@ def score_test_set(test_records: Any, stage_results: Sequence[StageResult], mode
     processes = int(params.scoring.processes or gpus or 1)
     device_type = resolve_device(str(options.get("device") or device or "auto"))
     cache = ScoreCache(params.score_cache.dir) if params.score_cache.enabled else None
-    tests = ScoredQueries.of(test_records, params)
+    tests = ScoredQueries.of(test_records, params, family_of_config(model).DEFAULT_INSTRUCTIONS)
     models = models_to_score(stage_results, model, training, options)
     figures, values, left = {}, {}, []
     for candidate in models:

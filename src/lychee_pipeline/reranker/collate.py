@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .families import DEFAULT_FAMILY, family_for
-from .prompt import build_messages, instruction_for, render_prompt, task_type_of
+from .prompt import instruction_for, render_prompt, task_type_of, task_type_or_default
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +185,7 @@ class PairCollator:
         self.max_pixels = int(max_pixels)
         self.instructions = dict(instructions or {})
         self.family = family
+        self.family_module = family_for(family)  # its prompt, default instructions and image-token rule
         self.image_token = getattr(processor, "image_token", "<|image_pad|>")
         self.stats = TruncationStats()
         self._warned_over = False
@@ -192,11 +193,15 @@ class PairCollator:
     def set_max_pixels(self, max_pixels: int) -> None:
         self.max_pixels = max(int(max_pixels), self.min_pixels)
 
+    def instruction_for(self, task_type: str) -> str:
+        """The instruction of ``task_type``: this collator's overrides, else the family's defaults."""
+        return instruction_for(task_type, self.instructions, self.family_module.DEFAULT_INSTRUCTIONS)
+
     # -- lengths ---------------------------------------------------------------------------------
     def image_tokens(self, image) -> int:
         """LM tokens one (PIL) image becomes under the current pixel budget (the processor's own rule)."""
         width, height = image.size
-        return family_for(self.family).image_tokens(self.processor, height, width, self.min_pixels, self.max_pixels)
+        return self.family_module.image_tokens(self.processor, height, width, self.min_pixels, self.max_pixels)
 
     def _count(self, text: str, image_tokens: int, n_images: int) -> int:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -231,7 +236,8 @@ class PairCollator:
             instruction = None
         query, doc = _as_item(query), _as_item(doc)
         if instruction is None:
-            instruction = instruction_for(task_type_of(query, doc), self.instructions)
+            instruction = self.instruction_for(task_type_or_default(query, doc))
+        build_messages = self.family_module.build_messages
         read = load_image if decode else image_size
         images = [read(item["image"], self.max_pixels) for item in (query, doc) if item["image"] is not None]
         img_tokens = sum(self.image_tokens(im) for im in images)
@@ -483,7 +489,7 @@ class GroupCollator:
         """``(query, doc, instruction)`` of a sampled group: every document under its record's task type (or,
         without one, the positive's), the rule scoring follows when given the record's task type."""
         task_type = group["task_type"] or task_type_of(group["query"], group["docs"][0])
-        instruction = instruction_for(task_type, self.pairs.instructions)
+        instruction = self.pairs.instruction_for(task_type)
         return [(group["query"], doc, instruction) for doc in group["docs"]]
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

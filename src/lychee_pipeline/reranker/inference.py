@@ -97,13 +97,15 @@ def launches_on(device: torch.device) -> DeviceLaunches:
 
 
 def with_task_instructions(pairs: Sequence[Sequence[Any]], task_types: Sequence[str | None] | None,
-                           instructions: Mapping[str, str]) -> Sequence[Sequence[Any]]:
-    """``pairs`` with the instruction of each pair's task type (a pair that has its own, or no task type, kept)."""
+                           instructions: Mapping[str, str],
+                           defaults: Mapping[str, str] | None = None) -> Sequence[Sequence[Any]]:
+    """``pairs`` with the instruction of each pair's task type (a pair that has its own, or no task type, kept);
+    ``defaults``: the model family's default instructions."""
     if task_types is None:
         return pairs
     if len(task_types) != len(pairs):
         raise ValueError(f"{len(task_types)} task types for {len(pairs)} pairs")
-    return [pair if len(pair) == 3 or task is None else (pair[0], pair[1], instruction_for(task, instructions))
+    return [pair if len(pair) == 3 or task is None else (pair[0], pair[1], instruction_for(task, instructions, defaults))
             for pair, task in zip(pairs, task_types)]
 
 
@@ -244,11 +246,12 @@ class Reranker:
         model = load_reranker(cfg, device)
         model.eval()
         trained = processing_of(adapter) if adapter is not None else processing_of(name_or_path)
-        settings = (trained or ProcessingConfig()).overridden(
+        untrained = ProcessingConfig(**model.family.PROCESSING_DEFAULTS)  # the published model's settings
+        settings = (trained or untrained).overridden(
             max_length=max_length, min_pixels=min_pixels, max_pixels=max_pixels, instructions=instructions)
         source = "the model's trained" if trained else "the default (the model has none saved)"
         log.info("scoring with %s processing settings%s: %s", source,
-                 ", with the caller's values for some" if settings != (trained or ProcessingConfig()) else "",
+                 ", with the caller's values for some" if settings != (trained or untrained) else "",
                  settings.as_dict())
         return cls(model, batch_size, settings.max_length, settings.min_pixels, settings.max_pixels,
                    settings.instructions, prefix_reuse=prefix_reuse)
@@ -267,7 +270,8 @@ class Reranker:
         scores are copied to page-locked host memory without waiting; the host waits only to stay at most
         ``IN_FLIGHT`` batches ahead of the device (its inputs hold device memory) and once at the end.
         """
-        pairs = with_task_instructions(pairs, task_types, self.collator.instructions)
+        pairs = with_task_instructions(pairs, task_types, self.collator.instructions,
+                                       self.collator.family_module.DEFAULT_INSTRUCTIONS)
         was_training = self.model.training
         self.model.eval()
         launches = launches_on(self.model.device)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -81,7 +82,8 @@ class ModelConfig:
     freeze_vision: bool = True
     tiny_cache_dir: str | None = None
     fast_path: bool = True
-    pack_pairs: bool = True  # one packed sequence per micro-batch, no padding tokens (reranker/packing.py)
+    # one packed sequence per micro-batch, no padding tokens (reranker/packing.py); auto: where the family holds it
+    pack_pairs: bool | Literal["auto"] = "auto"
     kernels: Literal["auto", "liger", "none"] = "auto"  # fused kernels at load: auto = liger on CUDA where installed
     compile_layers: bool = False  # torch.compile each decoder layer (reranker/kernels.py)
     fp8: bool = False  # FP8 matmuls in the language model's linear layers: Hopper + torchao only (reranker/fp8.py)
@@ -100,6 +102,8 @@ class ModelConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}")
         if self.activation_checkpointing not in (True, False, "auto"):
             raise ValueError(f"activation_checkpointing must be true, false or auto, got {self.activation_checkpointing!r}")
+        if self.pack_pairs not in (True, False, "auto"):
+            raise ValueError(f"pack_pairs must be true, false or auto, got {self.pack_pairs!r}")
 
     def checkpointing_at_load(self) -> bool:
         """Whether ``load_reranker`` turns on checkpointing (``auto`` is decided later, by a training stage)."""
@@ -114,20 +118,22 @@ class ModelConfig:
 
 def resolve_model_path(name_or_path: str, local_files_only: bool = False, tiny_cache_dir: str | None = None) -> str:
     """``builtin:tiny`` -> its (built on demand) cache folder; a local folder -> itself; else a hub id."""
-    if name_or_path == "builtin:tiny" or name_or_path.startswith("builtin:tiny"):
-        if name_or_path != "builtin:tiny":
-            raise ValueError(f"unknown built-in model {name_or_path!r} (only 'builtin:tiny' exists)")
+    if name_or_path.startswith("builtin:"):  # builtin:tiny, builtin:tiny-qwen3-vl (tiny.TINY_MODELS)
         from .tiny import ensure_tiny
 
-        return str(ensure_tiny(tiny_cache_dir))
-    if name_or_path.startswith("builtin:"):
-        raise ValueError(f"unknown built-in model {name_or_path!r} (only 'builtin:tiny' exists)")
+        return str(ensure_tiny(tiny_cache_dir, name_or_path))
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return str(path.resolve())
     if path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
         raise FileNotFoundError(f"model folder not found: {name_or_path}")
     return name_or_path  # a hub id such as vec-ai/lychee-rerank-mm
+
+
+def family_of_config(cfg: ModelConfig) -> Any:
+    """The model family of ``cfg.name_or_path`` (its config.json's ``model_type``), without loading the model."""
+    return family_of(resolve_model_path(cfg.name_or_path, cfg.local_files_only, cfg.tiny_cache_dir),
+                     cfg.local_files_only)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -409,6 +415,11 @@ def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") 
     resolve_kernels(cfg.kernels, dev)  # a kernel choice this machine cannot run fails before the load
     path = resolve_model_path(cfg.name_or_path, cfg.local_files_only, cfg.tiny_cache_dir)
     family = family_of(path, cfg.local_files_only)  # the architecture's classes, processor and fast paths
+    if cfg.pack_pairs == "auto":  # packed where the family holds it, padded batches where it refuses (logged)
+        reason = refused(family, "pack_pairs")
+        if reason is not None:
+            log.info("pack_pairs auto: padded batches (the %s family does not pack pairs: %s)", family.NAME, reason)
+        cfg = dataclasses.replace(cfg, pack_pairs=reason is None)
     for fast_path in ("fast_path", "pack_pairs"):  # a fast path the family refuses fails before the load
         if getattr(cfg, fast_path):
             require_fast_path(family, fast_path)

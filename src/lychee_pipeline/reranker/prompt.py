@@ -66,18 +66,29 @@ def modality_of(item: Item) -> str:
     raise ValueError(f"an item needs a non-empty 'text' or an 'image': {dict(item)!r}")
 
 
+def task_type_or_default(query: Item, doc: Item) -> str:
+    """:func:`task_type_of`, or ``"default"`` where a side is empty (a family whose prompt writes ``NULL`` for an
+    empty side takes such a pair; the others refuse it when building its messages)."""
+    try:
+        return task_type_of(query, doc)
+    except ValueError:
+        return "default"
+
+
 def task_type_of(query: Item, doc: Item) -> str:
     """Task type ``"<q>2<d>"``, for example ``"t2i"`` for a text query and an image document."""
     return f"{modality_of(query)}2{modality_of(doc)}"
 
 
-def instruction_for(task_type: str, instructions: Mapping[str, str] | None = None) -> str:
+def instruction_for(task_type: str, instructions: Mapping[str, str] | None = None,
+                    defaults: Mapping[str, str] | None = None) -> str:
     """The instruction for ``task_type``: from ``instructions`` (if given), else the defaults.
 
     ``instructions`` may hold only some task types and/or a ``"default"`` key; missing ones fall back
-    to :data:`DEFAULT_INSTRUCTIONS`.
+    to ``defaults`` (a model family's ``DEFAULT_INSTRUCTIONS``; Lychee-rerank-mm's :data:`DEFAULT_INSTRUCTIONS`
+    when None).
     """
-    table = dict(DEFAULT_INSTRUCTIONS)
+    table = dict(DEFAULT_INSTRUCTIONS if defaults is None else defaults)
     if instructions:
         table.update(instructions)
     return table.get(task_type, table["default"])

@@ -1,4 +1,6 @@
-"""``builtin:tiny``: a tiny random-weight Qwen2.5-VL reranker built offline and deterministically.
+"""``builtin:tiny`` (Qwen2.5-VL) and ``builtin:tiny-qwen3-vl`` (Qwen3-VL): tiny random-weight rerankers built
+offline and deterministically, each by its family's recipe (:data:`TINY_MODELS` maps a name to its family and
+folder).
 
 No model hub is reachable in development or CI, so this module builds a miniature of
 Qwen2.5-VL-7B-Instruct with the same classes, the same special tokens, the same chat template
@@ -29,23 +31,40 @@ DEFAULT_TINY_DIR = Path("data/06_models/builtin_tiny")
 TINY_DIR_ENV = "LYCHEE_TINY_DIR"
 MARKER_FILE = "lychee_tiny.json"
 
+# built-in name -> (its family's model_type, the suffix of its folder's name after builtin:tiny's folder name)
+TINY_MODELS: dict[str, tuple[str, str]] = {
+    TINY_NAME: ("qwen2_5_vl", ""),
+    "builtin:tiny-qwen3-vl": ("qwen3_vl", "_qwen3_vl"),
+}
 
-def recipe() -> dict[str, Any]:
+
+def check_tiny_name(name: str) -> None:
+    """A one-line error for a ``builtin:`` name that is not one of :data:`TINY_MODELS`."""
+    if name not in TINY_MODELS:
+        raise ValueError(f"unknown built-in model {name!r}; known: {', '.join(TINY_MODELS)}")
+
+
+def recipe(name: str = TINY_NAME) -> dict[str, Any]:
     """Everything that determines the built folder (the family's tiny recipe, this version and seed)."""
-    from .families import DEFAULT_FAMILY, family_for
+    from .families import family_for
 
-    return {"version": TINY_RECIPE_VERSION, "seed": TINY_SEED, **family_for(DEFAULT_FAMILY).TINY_RECIPE}
-
-
-def recipe_hash() -> str:
-    return hashlib.sha256(json.dumps(recipe(), sort_keys=True).encode()).hexdigest()[:16]
+    check_tiny_name(name)
+    return {"version": TINY_RECIPE_VERSION, "seed": TINY_SEED, **family_for(TINY_MODELS[name][0]).TINY_RECIPE}
 
 
-def tiny_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where ``builtin:tiny`` lives: ``cache_dir``, else ``$LYCHEE_TINY_DIR``, else data/06_models/builtin_tiny."""
+def recipe_hash(name: str = TINY_NAME) -> str:
+    return hashlib.sha256(json.dumps(recipe(name), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def tiny_dir(cache_dir: str | os.PathLike | None = None, name: str = TINY_NAME) -> Path:
+    """Where a built-in model lives: ``cache_dir`` (the folder itself), else ``$LYCHEE_TINY_DIR`` or
+    data/06_models/builtin_tiny for ``builtin:tiny`` and a sibling named with the model's suffix for the others."""
+    check_tiny_name(name)
     if cache_dir is not None:
         return Path(cache_dir)
-    return Path(os.environ.get(TINY_DIR_ENV) or DEFAULT_TINY_DIR)
+    base = Path(os.environ.get(TINY_DIR_ENV) or DEFAULT_TINY_DIR)
+    suffix = TINY_MODELS[name][1]
+    return base.with_name(base.name + suffix) if suffix else base
 
 
 def _corpus() -> list[str]:
@@ -87,16 +106,16 @@ def _corpus() -> list[str]:
     return lines
 
 
-def _build(out: Path) -> None:
-    from .families import DEFAULT_FAMILY, family_for
+def _build(out: Path, name: str = TINY_NAME) -> None:
+    from .families import family_for
 
-    family_for(DEFAULT_FAMILY).build_tiny(out, _corpus(), TINY_SEED)
+    family_for(TINY_MODELS[name][0]).build_tiny(out, _corpus(), TINY_SEED)
     (out / MARKER_FILE).write_text(
-        json.dumps({"name": TINY_NAME, "recipe_version": TINY_RECIPE_VERSION, "recipe_hash": recipe_hash()}, indent=2)
+        json.dumps({"name": name, "recipe_version": TINY_RECIPE_VERSION, "recipe_hash": recipe_hash(name)}, indent=2)
     )
 
 
-def is_current(folder: Path) -> bool:
+def is_current(folder: Path, name: str = TINY_NAME) -> bool:
     marker = folder / MARKER_FILE
     if not marker.is_file():
         return False
@@ -104,19 +123,20 @@ def is_current(folder: Path) -> bool:
         data = json.loads(marker.read_text())
     except (OSError, ValueError):
         return False
-    return data.get("recipe_version") == TINY_RECIPE_VERSION and data.get("recipe_hash") == recipe_hash()
+    return (data.get("recipe_version") == TINY_RECIPE_VERSION and data.get("recipe_hash") == recipe_hash(name)
+            and data.get("name", TINY_NAME) == name)
 
 
-def ensure_tiny(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Build ``builtin:tiny`` into its cache folder if missing or stale; return the folder."""
-    folder = tiny_dir(cache_dir).resolve()
-    if is_current(folder):
+def ensure_tiny(cache_dir: str | os.PathLike | None = None, name: str = TINY_NAME) -> Path:
+    """Build the built-in model ``name`` into its cache folder if missing or stale; return the folder."""
+    folder = tiny_dir(cache_dir, name).resolve()
+    if is_current(folder, name):
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.build-", dir=folder.parent))
     try:
-        _build(tmp)
-        if folder.exists() and not is_current(folder):
+        _build(tmp, name)
+        if folder.exists() and not is_current(folder, name):
             stale = folder.with_name(f".{folder.name}.stale-{os.getpid()}")
             try:
                 os.replace(folder, stale)
@@ -126,7 +146,7 @@ def ensure_tiny(cache_dir: str | os.PathLike | None = None) -> Path:
         try:
             os.replace(tmp, folder)
         except OSError:
-            if not is_current(folder):  # someone else won the race with a good build: keep theirs
+            if not is_current(folder, name):  # someone else won the race with a good build: keep theirs
                 raise
     finally:
         if tmp.exists():

@@ -64,9 +64,11 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 def check_model_source(name_or_path: str) -> None:
     """`model.name_or_path` must be builtin:tiny, an existing folder, or a hub id (org/name)."""
     if name_or_path.startswith("builtin:"):
-        if name_or_path != "builtin:tiny":
+        from lychee_pipeline.reranker.tiny import TINY_MODELS
+
+        if name_or_path not in TINY_MODELS:
             raise ValueError(f"invalid parameter model.name_or_path: unknown built-in model {name_or_path!r} "
-                             "(only builtin:tiny)")
+                             f"(known: {', '.join(TINY_MODELS)})")
         return
     path = Path(name_or_path).expanduser()
     if path.is_dir():

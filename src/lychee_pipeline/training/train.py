@@ -103,8 +103,7 @@ def resolve_activation_checkpointing(model, collator: GroupCollator, records, tr
         group = sample_group(records[int(i)], collator.group_size, 0, collator.seed, fill_pool=collator.fill_pool)
         lengths += [collator.pairs.measure(pair) for pair in collator.group_pairs(group)]
     collator.set_max_pixels(saved)
-    from lychee_pipeline.reranker.families.qwen2_5_vl import decoder_layers
-
+    decoder_layers = model.family.decoder_layers
     hf = model.base_model
     text = getattr(hf.config, "text_config", hf.config)
     tokens = memory.longest_micro_batch_tokens(lengths, pairs_per_micro_batch, packed=bool(model.config.pack_pairs))
@@ -260,14 +259,13 @@ def load_model_and_data(spec: StageSpec, accelerator: Accelerator):
         seed=train.seed,
         negative_fill=train.negative_fill,
         fill_pool=records if train.negative_fill == "fill_random" else None,  # rows of the same split
+        family=model.family.NAME,  # the model's prompt and image-token rule
     )
     checkpoint_choice = None
     if auto_checkpointing and spec.model.finetune != "qlora":
         pairs_per_micro_batch = train.group_size * train.per_device_batch_size
         checkpoint_choice = resolve_activation_checkpointing(model, collator, records, train, pairs_per_micro_batch)
-        from lychee_pipeline.reranker.families.qwen2_5_vl import apply_selective_checkpointing
-
-        apply_selective_checkpointing(model, layers=checkpoint_choice.layers)
+        model.family.apply_selective_checkpointing(model, layers=checkpoint_choice.layers)
         (log.info if checkpoint_choice.fits else log.warning)("%s", checkpoint_choice.describe())
     return model, records, collator, checkpoint_choice
 

@@ -23,7 +23,7 @@ __all__ = ["FAMILIES", "DEFAULT_FAMILY", "FAST_PATHS", "ModelFamily", "contract_
            "refused", "require_fast_path"]
 
 # model_type (config.json) -> the module of its family, imported on first use
-FAMILIES = {"qwen2_5_vl": "qwen2_5_vl"}
+FAMILIES = {"qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl"}
 # the family of builtin:tiny, and of collators made without a model (a processor alone does not say)
 DEFAULT_FAMILY = "qwen2_5_vl"
 

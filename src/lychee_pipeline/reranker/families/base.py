@@ -37,6 +37,12 @@ class ModelFamily(Protocol):
     NAME: str  # the family in messages, e.g. "qwen2_5_vl"
     REFUSED_FAST_PATHS: Mapping[str, str]  # fast path (a key of FAST_PATHS) -> why it does not hold here
     TINY_RECIPE: Mapping[str, Any]  # everything that decides the family's builtin:tiny folder (hashed)
+    PROCESSING_DEFAULTS: Mapping[str, int]  # max_length, min_pixels, max_pixels the published model scores with
+    DEFAULT_INSTRUCTIONS: Mapping[str, str]  # instruction per task type ("<q>2<d>"), "default" the fallback
+
+    # -- the prompt
+    def build_messages(self, query: Any, doc: Any, instruction: str | None = None) -> list[dict[str, Any]]:
+        """The chat messages of one (query, document) pair in the layout the family's model was trained with."""
 
     # -- model and processor
     def model_class(self) -> type:

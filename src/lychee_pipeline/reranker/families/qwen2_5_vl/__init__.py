@@ -22,11 +22,16 @@ from .model import decoder_layers, language_models, model_class
 from .processor import load_processor, save_processor
 from .recipe import TINY_RECIPE, architecture_config, build_tiny
 
+from ...collate import DEFAULT_MAX_LENGTH, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS
+from ...prompt import DEFAULT_INSTRUCTIONS, build_messages
+
 NAME = "qwen2_5_vl"
+PROCESSING_DEFAULTS: dict[str, int] = {"max_length": DEFAULT_MAX_LENGTH, "min_pixels": DEFAULT_MIN_PIXELS,
+                                       "max_pixels": DEFAULT_MAX_PIXELS}
 REFUSED_FAST_PATHS: dict[str, str] = {}  # every fast path holds for Qwen2.5-VL
 
 __all__ = [
-    "NAME", "REFUSED_FAST_PATHS", "TINY_RECIPE", "model_class", "load_processor", "save_processor", "image_tokens",
+    "NAME", "REFUSED_FAST_PATHS", "TINY_RECIPE", "PROCESSING_DEFAULTS", "DEFAULT_INSTRUCTIONS", "build_messages", "model_class", "load_processor", "save_processor", "image_tokens",
     "decoder_layers", "language_models", "architecture_config", "build_tiny", "enable_fast_path",
     "vision_inputs_on_host", "apply_selective_checkpointing",
 ]
