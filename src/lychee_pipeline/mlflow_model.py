@@ -91,7 +91,9 @@ def confine_image(path: Any, resolver: images.Resolver | None) -> str:
     except images.ImagePathError as refused:
         if refused.kind == images.ESCAPES_ROOTS:
             raise ImagePathError(f"image path outside the allowed image roots: {path}") from None
-        raise ImagePathError(f"image not found under the allowed image roots: {path}") from None
+        if refused.kind == images.NOT_FOUND:
+            raise ImagePathError(f"image not found under the allowed image roots: {path}") from None
+        raise ImagePathError(f"{refused.kind}: {path}") from None  # a folder, a URL, a '~' path
 
 
 def pairs_from_frame(model_input: pd.DataFrame, roots: list[str]) -> list[tuple[dict, dict]]:

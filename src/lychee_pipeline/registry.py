@@ -89,14 +89,18 @@ def current_champion(client: Any, name: str, alias: str = "champion") -> Any | N
         return None
 
 
-def load_scorer(model_uri: str) -> Any:
-    """The :class:`~lychee_pipeline.reranker.Reranker` inside a logged or registered pyfunc model.
-
-    It carries the model's logged scoring settings, so its scores are the served ones.
-    """
+def load_served_model(model_uri: str) -> Any:
+    """The logged or registered pyfunc model, loaded as the server loads it (``mlflow_model.RerankerModel``):
+    ``.reranker`` carries the logged scoring settings (its scores are the served ones), ``.image_roots`` the
+    roots the server confines request image paths to (``LYCHEE_IMAGE_ROOTS``, else the logged ones)."""
     import mlflow
 
-    return mlflow.pyfunc.load_model(model_uri).unwrap_python_model().reranker
+    return mlflow.pyfunc.load_model(model_uri).unwrap_python_model()
+
+
+def load_scorer(model_uri: str) -> Any:
+    """The :class:`~lychee_pipeline.reranker.Reranker` inside a logged or registered pyfunc model."""
+    return load_served_model(model_uri).reranker
 
 
 def _unknown_model_version(client: Any, uri: str, name: str, wanted: str) -> str:

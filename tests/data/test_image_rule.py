@@ -54,8 +54,9 @@ def test_a_path_outside_the_roots_is_refused_by_ingestion_and_by_the_served_mode
 def test_a_folder_is_not_an_image_for_either(shop):
     (shop / "sub").mkdir()
     roots = [str(shop)]
-    assert Resolver(roots).resolve("sub") == (None, "image not found: sub")
-    with pytest.raises(ImagePathError, match="image not found under the allowed image roots: sub"):
+    # issue 32 item 9: its own reason (it was "image not found", and "corrupt image" before that)
+    assert Resolver(roots).resolve("sub") == (None, "a folder, not an image file: sub")
+    with pytest.raises(ImagePathError, match="a folder, not an image file: sub"):
         _served("sub", roots)
 
 

@@ -48,8 +48,9 @@ def test_rerank_pipeline_scores_and_accounts_for_every_line(champion_project, tm
     candidates = tmp_path / "candidates.jsonl"
     candidates.write_text("\n".join(lines) + "\n")
 
+    # this file is made to show every refusal reason: the share of refused documents is allowed
     run_kedro(root, "rerank", {"rerank": {"input": str(candidates), "model": "models:/lychee-reranker@champion",
-                                          "image_roots": str(images)}})
+                                          "image_roots": str(images), "max_refused_share": 1.0}})
 
     results = [json.loads(x) for x in (root / "data/07_model_output/rerank_results.jsonl").read_text().splitlines()]
     assert [r["line"] for r in results] == list(range(1, 10))  # every input line, in order
@@ -85,3 +86,66 @@ def test_rerank_pipeline_scores_and_accounts_for_every_line(champion_project, tm
     assert (summary["docs_scored"], summary["docs_refused"]) == (13, 2)
     assert (summary["model_name"], summary["model_version"], summary["model_alias"]) == ("lychee-reranker", 1, "champion")
     assert summary["refused_lines_by_reason"]["empty line"] == 1
+
+
+def _relative_candidates(queries: list[dict], images: Path) -> list[str]:
+    """Candidates lines whose image paths are relative to the image root the model was logged with."""
+    return [json.dumps({"id": q["query_id"], "query": _query(q, images),
+                        "docs": [_doc(d, images, relative=True) for d in q["docs"]]}) for q in queries]
+
+
+def test_relative_image_paths_resolve_under_the_roots_logged_with_the_model(champion_project, tmp_path):
+    """Issue 32 item 1: with `images/x.jpg`-style paths relative to the training images and the README's command
+    (no rerank.image_roots), the image documents were refused as `image not found` (the roots defaulted to the
+    input file's folder) and the run exited 0. The batch rerank now resolves them as the served model does:
+    under the roots logged with the model; the input file's folder is not a root (the server has none)."""
+    root, images, queries = champion_project["root"], champion_project["images"], champion_project["queries"]
+    elsewhere = tmp_path / "batch"
+    elsewhere.mkdir()
+    candidates = elsewhere / "candidates.jsonl"
+    candidates.write_text("\n".join(_relative_candidates(queries[:6], images)) + "\n")
+    run_kedro(root, "rerank", {"rerank": {"input": str(candidates), "model": "models:/lychee-reranker@champion"}})
+    summary = json.loads((root / "data/08_reporting/rerank_summary.json").read_text())
+    assert (summary["docs_scored"], summary["docs_refused"], summary["lines_refused"]) == (24, 0, 0), summary
+    assert summary["image_roots"] == [str(images.resolve())]
+    assert summary["image_roots_from"] == "the roots logged with the model"
+    assert summary["max_refused_share"] == 0.0
+
+
+def test_a_run_refusing_more_than_the_allowed_share_fails_in_one_line(champion_project, tmp_path):
+    """The README's command on a file whose images are not under the model's roots: the run stops before
+    scoring, non-zero, with one line giving the refused count by reason and the setting that allows it."""
+    import subprocess
+    import sys
+
+    root, images, queries = champion_project["root"], champion_project["images"], champion_project["queries"]
+    lines = _relative_candidates(queries[:3], images)
+    lines.append(json.dumps({"id": "gone", "query": "red coat", "docs": [
+        {"id": "a", "image": "images/missing.jpg"}, {"id": "b", "image": "http://shop.example/b.jpg"},
+        {"id": "c", "text": "a red wool coat"}]}))
+    candidates = tmp_path / "candidates.jsonl"
+    candidates.write_text("\n".join(lines) + "\n")
+    command = [sys.executable, "-m", "kedro", "run", "--pipelines", "rerank", "--params",
+               f"rerank.input={candidates},rerank.model=models:/lychee-reranker@champion"]
+    for output in ("data/07_model_output/rerank_scores.parquet", "data/07_model_output/rerank_results.jsonl"):
+        (root / output).unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_TRACKING", "LYCHEE_IMAGE_ROOTS"))}
+    env["COLUMNS"] = "400"  # a wide terminal: rich wraps the log at 80 columns where it cannot tell the width
+    proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    message = ("rerank refused 2 of 15 documents (13.3%), more than rerank.max_refused_share=0.0 allows: "
+               "image not found 1, URLs are not fetched 1 (first: line 4, doc a: image not found: "
+               f"images/missing.jpg); image roots {[str(images.resolve())]} (the roots logged with the model); "
+               "nothing was scored: fix the paths, set rerank.image_roots, or allow a share with "
+               "--params rerank.max_refused_share=<0..1>")
+    assert any(line.endswith(message) for line in out.splitlines()), [x for x in out.splitlines() if "refused" in x]
+    assert message in (root / "info.log").read_text().splitlines()  # and one line in the log file
+    assert not (root / "data/07_model_output/rerank_scores.parquet").exists()  # removed below before the run
+    # the same file with the share allowed: the two documents are refused with their reasons, the rest scored
+    run_kedro(root, "rerank", {"rerank": {"input": str(candidates), "model": "models:/lychee-reranker@champion",
+                                          "max_refused_share": 0.2}})
+    results = [json.loads(x) for x in (root / "data/07_model_output/rerank_results.jsonl").read_text().splitlines()]
+    assert {d["doc_id"]: d["reason"] for d in results[3]["refused_docs"]} == {
+        "a": "image not found: images/missing.jpg",
+        "b": "URLs are not fetched (download the images and give local paths): http://shop.example/b.jpg"}

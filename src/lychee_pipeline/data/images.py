@@ -8,6 +8,7 @@ name training accepted is accepted where the model is served, and a path outside
 from __future__ import annotations
 
 import os
+import re
 import unicodedata
 import warnings
 from pathlib import Path
@@ -23,6 +24,13 @@ MAX_ASPECT_RATIO = 200  # the Qwen2.5-VL processor refuses longer/shorter sides 
 #: Why a reference is refused (the first words of a resolver reason, counted in the logs by these words).
 ESCAPES_ROOTS = "path escapes the image roots"
 NOT_FOUND = "image not found"
+A_FOLDER = "a folder, not an image file"
+URL_NOT_FETCHED = "URLs are not fetched (download the images and give local paths)"
+#: `~` in a data file's reference is not the home folder: expanding it would let a line name a path by
+#: whoever runs the job; a reference is relative to an image root, or absolute.
+TILDE_NOT_EXPANDED = "'~' is not expanded in image paths (give a path relative to an image root, or absolute)"
+REFUSAL_KINDS = (ESCAPES_ROOTS, NOT_FOUND, A_FOLDER, URL_NOT_FETCHED, TILDE_NOT_EXPANDED)
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def parse_image_roots(value: Any) -> list[str]:
@@ -40,7 +48,7 @@ def parse_image_roots(value: Any) -> list[str]:
 
 
 class ImagePathError(ValueError):
-    """An image reference the roots refuse; ``kind`` is :data:`ESCAPES_ROOTS` or :data:`NOT_FOUND`."""
+    """An image reference the roots refuse; ``kind`` is one of :data:`REFUSAL_KINDS`."""
 
     def __init__(self, kind: str, ref: str) -> None:
         super().__init__(f"{kind}: {ref}")
@@ -92,31 +100,44 @@ class Resolver:
 
         Relative references are looked up under each root in order (the first file found wins); a name
         that differs from the file on disk only in Unicode normalization is found too. What is found must
-        be a file inside a root; the answer is cached for the resolver's life.
+        be a file inside a root (a folder is refused as one); the answer is cached for the resolver's life.
+        A URL is refused (nothing is downloaded), and so is a reference starting with ``~`` (never expanded).
         """
         hit = self._cache.get(ref)
         if hit is not None:
             return hit
-        given = Path(ref).expanduser()
+        result: tuple[str | None, str | None]
+        if _URL.match(ref):
+            result = (None, f"{URL_NOT_FETCHED}: {ref}")
+        elif ref.startswith("~"):
+            result = (None, f"{TILDE_NOT_EXPANDED}: {ref}")
+        else:
+            result = self._look_up(ref)
+        self._cache[ref] = result
+        return result
+
+    def _look_up(self, ref: str) -> tuple[str | None, str | None]:
+        given = Path(ref)
         candidates = [given.resolve()] if given.is_absolute() else [(root / given).resolve() for root in self.roots]
         inside = [c for c in candidates if self._inside(c)]
         if not inside:
-            result: tuple[str | None, str | None] = (None, f"{ESCAPES_ROOTS}: {ref}")
-        else:
-            found = next((c for c in inside if c.is_file()), None)
-            if found is None:  # a name in the other Unicode normalization form (NFC in the JSONL, NFD on disk)
-                others = (self.other_normalization(c) for c in inside)
-                found = next((o.resolve() for o in others if o is not None and self._inside(o.resolve())
-                              and o.is_file()), None)
-            result = (str(found), None) if found else (None, f"{NOT_FOUND}: {ref}")
-        self._cache[ref] = result
-        return result
+            return None, f"{ESCAPES_ROOTS}: {ref}"
+        found = next((c for c in inside if c.is_file()), None)
+        if found is None:  # a name in the other Unicode normalization form (NFC in the JSONL, NFD on disk)
+            others = (self.other_normalization(c) for c in inside)
+            found = next((o.resolve() for o in others if o is not None and self._inside(o.resolve())
+                          and o.is_file()), None)
+        if found is not None:
+            return str(found), None
+        if any(c.is_dir() for c in inside):
+            return None, f"{A_FOLDER}: {ref}"
+        return None, f"{NOT_FOUND}: {ref}"
 
     def confine(self, ref: str) -> str:
         """The resolved absolute path of ``ref``, or :class:`ImagePathError` saying why it is refused."""
         path, reason = self.resolve(ref)
         if path is None:
-            raise ImagePathError(ESCAPES_ROOTS if reason.startswith(ESCAPES_ROOTS) else NOT_FOUND, ref)
+            raise ImagePathError(next((k for k in REFUSAL_KINDS if reason.startswith(k)), NOT_FOUND), ref)
         return path
 
 
@@ -140,7 +161,10 @@ def check_image(path: str, max_pixels: int, max_aspect_ratio: float = MAX_ASPECT
                            "mtime_ns": None, "max_pixels": max_pixels}
     key = stat_key(path)
     if key is None:
-        row["reason"] = "image not found"
+        row["reason"] = NOT_FOUND
+        return row
+    if os.path.isdir(path):  # PIL would say "Is a directory" as a corrupt image
+        row["reason"] = A_FOLDER
         return row
     row["size_bytes"], row["mtime_ns"] = key
     if key[0] == 0:

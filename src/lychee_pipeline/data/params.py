@@ -79,7 +79,8 @@ class RerankParams(_WithImageRoots):
 
     input: str | None = None
     model: str = "models:/lychee-reranker@champion"
-    image_roots: list[str] = []  # []: the input file's folder
+    image_roots: list[str] = []  # []: the served model's roots, else the input's folder (lychee_pipeline/rerank.py)
+    max_refused_share: float = Field(0.0, ge=0.0, le=1.0)  # more refused documents than this share stop the run
     max_image_pixels: PositiveInt = 50_000_000
     slice_pairs: PositiveInt = 1024
     reranker: dict[str, Any] = Field(default_factory=dict)  # Reranker.from_pretrained options

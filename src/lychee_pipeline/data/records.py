@@ -255,8 +255,15 @@ def _entry(file: str, status: str, reason: str, compression: str | None = None) 
 
 
 def _check_readable(file: str, why: str) -> dict[str, Any]:
-    """An entry for a file chosen by name: read, or skipped for its compression or encoding."""
-    kind = compression_of(file)
+    """An entry for a file chosen by name: read, or skipped for its compression or encoding, or because it
+    cannot be opened (a symbolic link to nothing, no permission): such a file is listed, never a crash."""
+    if os.path.islink(file) and not os.path.exists(file):
+        target = os.path.join(os.path.dirname(file), os.readlink(file))
+        return _entry(file, "skipped", f"broken symbolic link: it points to {target}, which does not exist")
+    try:
+        kind = compression_of(file)
+    except OSError as error:
+        return _entry(file, "skipped", f"cannot be read: {error.strerror or error}")
     if kind in ("zstd", "zip"):
         return _entry(file, "skipped", f"{kind} compressed: not supported, decompress it (gzip and bzip2 are read)",
                       kind)

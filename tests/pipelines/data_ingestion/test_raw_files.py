@@ -139,3 +139,25 @@ def test_a_compressed_file_cut_short_is_a_one_line_error_naming_it(tmp_path, kin
     error, where = (ValueError, r"a\.jsonl\.gz, after line \d+: ") if kind == "gzip" else (FileNotFoundError, "")
     with pytest.raises(error, match=rf"{where}its {kind} stream is corrupt or cut short \(.+\); re-export"):
         ingest_files(locate_raw_data({"raw_path": str(path)}, {}), {})
+
+
+def test_a_dangling_symlink_is_skipped_with_its_reason_in_a_data_run(tmp_path):
+    """Issue 32 item 5: `broken.jsonl -> nowhere` under data.raw_path crashed locate_raw_data with a
+    FileNotFoundError and a 245-line traceback. Now `kedro run --pipelines data` reads the other files and
+    lists the link in raw_files.json as skipped, naming where it points."""
+    from project_runs import make_project_copy, run_kedro
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "records.jsonl").write_bytes(_lines("ok", 12))
+    (raw / "broken.jsonl").symlink_to(tmp_path / "nowhere" / "gone.jsonl")
+    root = make_project_copy(tmp_path / "project")
+    run_kedro(root, "data", {"data": {"raw_path": str(raw)}})
+    raw_files = json.loads((root / "data/02_intermediate/raw_files.json").read_text())
+    listed = {Path(e["file"]).name: e for e in raw_files["files"]}
+    assert listed["records.jsonl"]["status"] == "read" and listed["records.jsonl"]["lines"] == 12
+    assert listed["broken.jsonl"]["status"] == "skipped"
+    assert listed["broken.jsonl"]["reason"] == (f"broken symbolic link: it points to {tmp_path / 'nowhere' / 'gone.jsonl'}"
+                                                ", which does not exist")
+    assert (raw_files["read"], raw_files["skipped"]) == (1, 1)
+
