@@ -134,12 +134,14 @@ def test_a_run_refusing_more_than_the_allowed_share_fails_in_one_line(champion_p
     proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
-    message = ("rerank refused 2 of 15 documents (13.3%), more than rerank.max_refused_share=0.0 allows: "
-               "image not found 1, URLs are not fetched 1 (first: line 4, doc a: image not found: "
+    message = ("rerank refused 2 of 15 documents (13.3%), more than rerank.max_refused_share=0 allows: "
+               "image not found 1, URLs are not fetched (download the images and give local paths) 1 (first: line 4, "
+               "doc a: image not found: "
                f"images/missing.jpg); image roots {[str(images.resolve())]} (the roots logged with the model); "
                "nothing was scored: fix the paths, set rerank.image_roots, or allow a share with "
                "--params rerank.max_refused_share=<0..1>")
-    assert any(line.endswith(message) for line in out.splitlines()), [x for x in out.splitlines() if "refused" in x]
+    # a refusal: its one line is the last on the terminal
+    assert out.strip().splitlines()[-1] == f"Error: {message}", [x for x in out.splitlines() if "refused" in x]
     assert message in (root / "info.log").read_text().splitlines()  # and one line in the log file
     assert not (root / "data/07_model_output/rerank_scores.parquet").exists()  # removed below before the run
     # the same file with the share allowed: the two documents are refused with their reasons, the rest scored

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from lychee_pipeline.data.images import Resolver, check_image
 from lychee_pipeline.data.params import RerankParams
 from lychee_pipeline.data.records import norm_ref, norm_text, reason_of
+from lychee_pipeline.runtime.errors import UnreadableData
 from lychee_pipeline.schema import RawDoc, RawItem, blank
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ def refused_documents(candidates: dict[str, Any]) -> dict[str, Any]:
     return {"docs_in": total, "refused": sum(by_reason.values()), "by_reason": dict(by_reason), "first": first}
 
 
-class RefusedShareError(ValueError):
+class RefusedShareError(UnreadableData):
     """More documents refused than ``rerank.max_refused_share`` allows."""
 
 
