@@ -609,8 +609,9 @@ def main(argv: list[str] | None = None) -> int:
     traces = {p for p in profiles if p.endswith(".json")}
     profiles -= traces
     args.trace = Path(traces.pop()) if traces else None
-    if args.trace is not None and not profiles and project_name is not None:
-        profiles = {project_name}
+    if args.trace is not None and not profiles and c_specs:
+        # the first project variant: later ones may be skipped where their library is missing (+fp8 without torchao)
+        profiles = {args.project or c_specs[0]["name"]}
     # the loss / gradient checks use groups no step has trained on
     check_groups = [common.to_device(common.synthetic_group(shape, seed=args.seed + 10_000 + i), device)
                     for i in range(max(args.check_groups, 1))]

@@ -58,7 +58,7 @@ def test_train_step_prints_mfu_against_both_peaks_and_profiles(benchmarks, tmp_p
     table = out.split("top 15 non-matmul device kernels:")[1].splitlines()[2:17]
     assert table and not any("aten::mm" in row or "addmm" in row for row in table)
     assert json.loads(trace.read_text())["traceEvents"]
-    if "fp8: " in out:  # torchao installed (the gpu extra): the +fp8 lever ran, emulated on the CPU
+    if "c0+pack+fp8: skipped" in out:  # no torchao (the gpu extra): the +fp8 lever says why it did not run
+        assert "needs torchao" in out
+    else:  # torchao installed: the +fp8 lever ran, emulated on the CPU
         assert "(EMULATED on the CPU)" in out and "c0+pack+fp8" in out.split("summary (")[1]
-    else:
-        assert "c0+pack+fp8: skipped" in out
