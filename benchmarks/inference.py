@@ -595,7 +595,10 @@ def main(argv: list[str] | None = None) -> int:
     pipeline = {"prepare_workers": args.workers if args.workers == "auto" else int(args.workers),
                 "first_batch": args.first_batch if args.first_batch == "auto" else int(args.first_batch)}
     run_core_variants(args, reranker, pairs, device, params, peaks, ref, pipeline, results, scores)
-    if args.prefix_reuse:
+    if args.prefix_reuse and refused(reranker.family, "pack_pairs"):
+        log(f"--prefix-reuse skipped: prefix reuse runs inside packed batches and the {reranker.family.NAME} family "
+            f"does not pack ({refused(reranker.family, 'pack_pairs')})")
+    elif args.prefix_reuse:
         results["core-prefix"] = prefix_variant(reranker, pairs, args, pipeline, device, params, peaks, scores["core"])
     if args.images != "memory":
         run_device_alone(args, reranker, pairs, device, params, peaks, pipeline, results, scores)

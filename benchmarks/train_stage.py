@@ -394,7 +394,7 @@ def print_summary(results: dict, args, env: dict, device: torch.device) -> bool:
     """The table of the lengths, stage against isolated step; whether every length met the targets."""
     log("")
     log(f"train_stage summary ({env.get('gpu')}, torch {env['torch']}, transformers {env['transformers']}, "
-        f"{'tiny' if args.tiny else '7B'} architecture, random weights, LoRA r16, groups of {args.group_size}, "
+        f"{common.architecture_name(args.tiny)} architecture, random weights, LoRA r16, groups of {args.group_size}, "
         f"{args.image_side}x{args.image_side} JPEG per document, max_pixels {args.max_pixels})")
     log(f"stage p/s: steps {args.window_from}-{args.stage_steps} of the stage; step p/s: {args.step_steps} isolated "
         f"steps; data / gap: the stage's mean data-loader wait (host) and device idle between steps, ms")

@@ -70,8 +70,11 @@ def apply_fp8(model: nn.Module, language_models: list[nn.Module], emulate: bool 
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
+    # pad_inner_dim: the weight gradient's matmul runs over the tokens, and _scaled_mm needs its inner dimension a
+    # multiple of 16, which a packed batch's token count rarely is (7,082 tokens failed the first H100 step).
+    # torchao computes that gradient even for LoRA's frozen base weights.
     convert_to_float8_training(model, module_filter_fn=fp8_linear_filter(language_models),
-                               config=Float8LinearConfig(emulate=emulate))
+                               config=Float8LinearConfig(emulate=emulate, pad_inner_dim=True))
     count = sum(isinstance(m, Float8Linear) for m in model.modules())
     log.info("model.fp8: %d linear layers of the language model run FP8 matmuls (torchao float8, dynamic "
              "per-tensor scales)%s", count, " [emulated]" if emulate else "")
