@@ -202,11 +202,13 @@ def model_spec(args, folder: Path) -> dict:
             "compile_layers": args.compile_layers}
 
 
-def budget_refusal(folder: Path, counts: list[int], args) -> str | None:
+def budget_refusal(folder: Path, counts: list[int], args, device_type: str) -> str | None:
     """With ``--checkpoint-layers auto``: the one line saying which setting to change when the memory model
     (training/memory.py) predicts that the stage cannot fit ``--memory-budget-gib`` even with every decoder layer
     checkpointed (None when it fits: the stage then plans its layers within the budget itself). The weights are
     the model folder's safetensors (saved in the dtype the stage loads)."""
+    from lychee_pipeline.reranker.families import refused
+    from lychee_pipeline.reranker.kernels import resolve_kernels
     from lychee_pipeline.training import memory
 
     if args.checkpoint_layers != "auto":
@@ -214,11 +216,16 @@ def budget_refusal(folder: Path, counts: list[int], args) -> str | None:
     config = json.loads((folder / "config.json").read_text())
     text = config.get("text_config", config)
     weight_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-    tokens = memory.longest_micro_batch_tokens(counts, args.group_size, packed=args.pack_pairs)
+    family = common.family()
+    # what the stage will run: pack_pairs/kernels "auto" resolved as the model's load resolves them
+    packed = bool(args.pack_pairs) and (args.pack_pairs is True or refused(family, "pack_pairs") is None)
+    fused = resolve_kernels(args.kernels, device_type, refused(family, "kernels")) == "liger"
+    costs = memory.activation_costs(packed=packed, fused=fused)
+    tokens = memory.longest_micro_batch_tokens(counts, args.group_size, packed=packed)
     choice = memory.choose_checkpoint_layers(tokens, int(text["hidden_size"]), int(text["num_hidden_layers"]),
-                                             weight_bytes, args.memory_budget_gib)
+                                             weight_bytes, args.memory_budget_gib, costs=costs)
     log(f"memory model: {choice.describe()}")
-    return memory.over_budget_advice(choice, int(text["hidden_size"]), weight_bytes, args.group_size)
+    return memory.over_budget_advice(choice, int(text["hidden_size"]), weight_bytes, args.group_size, costs=costs)
 
 
 def run_real_stage(args, work: Path, data: Path, folder: Path, device_type: str, label: str) -> dict:
@@ -484,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         data, counts = write_table(work / f"data_{label}", processor, images, records, 9, length, args.max_pixels,
                                    args.min_pixels, args.seed + length)
         log(f"\n== {length} tokens/pair: {records} records, first group's pairs {min(counts)}-{max(counts)} tokens")
-        refusal = budget_refusal(folder, counts, args)
+        refusal = budget_refusal(folder, counts, args, device.type)
         if refusal is not None:  # the stage would not fit: say what to change instead of running out of memory
             log(refusal)
             results["lengths"][label] = {"refused": refusal}

@@ -140,7 +140,7 @@ LEVERS = ("pack", "liger", "compile", "fp8")
 def parse_variant(name: str, num_layers: int, auto_layers: dict | None = None) -> dict:
     """``a``, ``b``, ``c<K>``/``cnv<K>``/``cw<K>`` (``K`` a count or ``auto``), plus ``+pack``/``+liger``/``+compile``.
 
-    ``auto_layers``: {"padded": CheckpointChoice, "pack": CheckpointChoice} once the inputs are known."""
+    ``auto_layers``: {"padded" | "pack" | "pack+liger": CheckpointChoice} once the inputs are known."""
     base, *levers = name.split("+")
     unknown = [x for x in levers if x not in LEVERS]
     if unknown:
@@ -156,7 +156,8 @@ def parse_variant(name: str, num_layers: int, auto_layers: dict | None = None) -
         count = base[len(prefix):]
         if base.startswith(prefix) and (count.isdigit() or count == "auto"):
             if count == "auto":
-                k = num_layers if auto_layers is None else auto_layers["pack" if flags["pack"] else "padded"].layers
+                regime = ("pack+liger" if flags["liger"] else "pack") if flags["pack"] else "padded"
+                k = num_layers if auto_layers is None else auto_layers[regime].layers
             else:
                 k = min(int(count), num_layers)
             extra = "".join(f" +{lever}" for lever in LEVERS if flags[lever])
@@ -252,8 +253,11 @@ def auto_checkpointing(reranker: LycheeReranker, groups_cpu: list, budget_gib: f
     layers = len(common.family().decoder_layers(reranker))
     padded = max(int(g["attention_mask"].numel()) for g in groups_cpu)
     packed = max(int(g["attention_mask"].sum()) for g in groups_cpu)
-    return {kind: memory.choose_checkpoint_layers(tokens, int(text.hidden_size), layers, weights, budget_gib)
-            for kind, tokens in (("padded", padded), ("pack", packed))}
+    # the packed-and-fused constants hold for +pack+liger; +pack alone keeps the (larger) padded ones
+    return {kind: memory.choose_checkpoint_layers(tokens, int(text.hidden_size), layers, weights, budget_gib,
+                                                  costs=memory.activation_costs(packed=kind != "padded",
+                                                                                fused=kind == "pack+liger"))
+            for kind, tokens in (("padded", padded), ("pack", packed), ("pack+liger", packed))}
 
 
 @torch.no_grad()

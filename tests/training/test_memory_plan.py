@@ -6,7 +6,8 @@ import pytest
 
 from lychee_pipeline.reranker.model import ModelConfig
 from lychee_pipeline.training.config import DataLoaderParams, TrainingParams
-from lychee_pipeline.training.memory import choose_checkpoint_layers, predicted_peak_gib, resolve_dataloader
+from lychee_pipeline.training.memory import (PACKED_FUSED, PADDED, activation_costs, choose_checkpoint_layers,
+                                             predicted_peak_gib, resolve_dataloader)
 
 SEVEN_B = dict(hidden=3584, num_layers=28, weight_bytes=int(8.292e9 * 2))  # bf16 weights of the 7B
 
@@ -39,6 +40,38 @@ def test_the_model_predicts_peaks_it_was_not_fitted_on():
     # the layer count the plan chose in those runs, for a 40 GiB budget (the runs logged 15 and 20)
     assert [choose_checkpoint_layers(t, budget_gib=40, **SEVEN_B).layers for t, _, _ in PADDED_STAGES_H200] == [
         15, 20, 20]
+
+
+# Real stages with model.pack_pairs and liger kernels on one H100 (benchmarks/results/2026-12-05_h100_train_stage_
+# {22,38,70}gib.txt), 851 tokens/pair: (tokens of the longest micro-batch, layers checkpointed, measured peak GiB).
+# PACKED_FUSED was fitted on these; PACKED_LIGER_STAGES_H200 above were not used for it.
+PACKED_LIGER_STAGES_H100 = [(7123, 26, 19.2), (7123, 16, 28.3), (7123, 0, 42.8)]
+
+
+def test_packed_fused_constants_predict_the_packed_stages_within_a_gib():
+    """The packed-and-fused regime: the points it was fitted on within 0.7 GiB, never below them (rounded up), and
+    the stages it was not fitted on within 0.6 GiB."""
+    for tokens, layers, measured in PACKED_LIGER_STAGES_H100:
+        predicted = predicted_peak_gib(tokens, checkpointed=layers, costs=PACKED_FUSED, **SEVEN_B)
+        assert measured <= predicted <= measured + 0.7, (tokens, layers, predicted)
+    # ... and the stage the new plan ran at 1,391 tokens/pair within 40 GiB on the H100, after the fit
+    # (2026-12-05_h100_train_stage_40gib_1400_packed_fused.txt: 16/28 layers, 36.6 GiB)
+    for tokens, layers, measured in PACKED_LIGER_STAGES_H200 + [(11733, 16, 36.6)]:
+        predicted = predicted_peak_gib(tokens, checkpointed=layers, costs=PACKED_FUSED, **SEVEN_B)
+        assert predicted == pytest.approx(measured, abs=0.6), (tokens, layers, predicted)
+
+
+def test_packed_fused_plans_fewer_checkpointed_layers_within_the_same_budget():
+    """At 851 tokens/pair and 40 GiB the padded constants checkpoint 15 layers (what the H100 stage ran, 28.3-32.9
+    GiB measured); the packed-and-fused ones 6, still predicted within the budget's 95%."""
+    padded = choose_checkpoint_layers(7123, budget_gib=40, **SEVEN_B)
+    packed = choose_checkpoint_layers(7123, budget_gib=40, costs=PACKED_FUSED, **SEVEN_B)
+    assert padded.layers == 15 and packed.layers == 6
+    assert packed.fits and packed.predicted_peak_gib <= 40 * 0.95
+    assert "packed pairs with fused kernels" in packed.describe() and "padded batches" in padded.describe()
+    # the regime a stage runs in picks the constants: only packed and fused together take the smaller ones
+    assert activation_costs(packed=True, fused=True) is PACKED_FUSED
+    assert {activation_costs(packed=p, fused=f) for p, f in ((True, False), (False, True), (False, False))} == {PADDED}
 
 
 def test_the_constants_reproduce_the_points_they_were_fitted_on():

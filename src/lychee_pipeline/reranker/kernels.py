@@ -149,6 +149,12 @@ def avoid_cudnn_attention(device: torch.device | str) -> bool:
     return True
 
 
+def fused_kernels_applied(model: nn.Module) -> bool:
+    """Whether liger's fused SwiGLU runs in ``model`` (``apply_liger`` switched its MLPs): the memory model's
+    packed-and-fused regime (training/memory.py) depends on it."""
+    return any(m._get_name() == "LigerSwiGLUMLP" for m in model.modules())
+
+
 def apply_kernels(model: nn.Module, choice: str, device: torch.device | str, family: Any = None) -> str:
     """Resolve ``model.kernels`` for ``device`` and the model's ``family`` (found from the model when None) and
     apply it; logs the outcome once. Returns ``"liger"``/``"none"``."""

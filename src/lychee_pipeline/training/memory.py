@@ -23,6 +23,16 @@ Calibration, Qwen2.5-VL-7B on one H200 (docs/benchmarks.md, docs field notes 202
 Under this model the 1409-token case needs 19 checkpointed layers for 40 GiB (17 overshot, as measured);
 the chooser keeps ``margin`` (5% of the budget by default) in hand, which makes it 20. The isolated step
 (synthetic inputs, more padding) sits ~3-5 GiB above this model: the benchmark prints both peaks.
+
+Those constants (``PADDED``) describe padded batches on the plain PyTorch path. With ``model.pack_pairs`` and
+liger's fused kernels (the Qwen2.5-VL default on CUDA) a kept layer costs much less: no padding tokens, and the
+fused SwiGLU/RMSNorm/rotary keep fewer intermediates. ``PACKED_FUSED`` is fitted on three real stages on one
+H100 (benchmarks/results/2026-12-05_h100_train_stage_{22,38,70}gib.txt: 7,123 tokens a micro-batch, 26 / 16 / 0
+layers checkpointed, 19.2 / 28.3 / 42.8 GiB; least squares gives base 82.0, kept 38.2, rounded up to 85 / 39 so
+it over-predicts by at most 0.6 GiB) and predicts the two packed H200 stages it was not fitted on within 0.3 GiB
+(29.5 GiB measured at 7,133 tokens and 15 layers, 30.8 at 11,752 and 20). For a 40 GiB budget it checkpoints
+6/28 layers at 851 tokens/pair instead of 15 (less recomputation, a faster step), and 16 at 1,391 tokens/pair,
+where the H100 stage then peaked at 36.6 GiB against 37.1 predicted.
 """
 
 from __future__ import annotations
@@ -30,8 +40,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GIB = 2**30
-BASE_BYTES_PER_TOKEN_HIDDEN = 45.0
-KEPT_LAYER_BYTES_PER_TOKEN_HIDDEN = 65.0
+
+
+@dataclass(frozen=True)
+class ActivationCosts:
+    """The activation model's two constants, in bytes per token and hidden unit: ``base`` (all that grows with
+    tokens besides the kept layers) and ``kept`` (one decoder layer that keeps its activations)."""
+
+    regime: str
+    base: float
+    kept: float
+
+
+PADDED = ActivationCosts("padded batches, plain PyTorch path", base=45.0, kept=65.0)
+PACKED_FUSED = ActivationCosts("packed pairs with fused kernels", base=85.0, kept=39.0)
+
+
+def activation_costs(packed: bool, fused: bool) -> ActivationCosts:
+    """The constants of the regime a stage runs in; anything but packed-and-fused uses the (larger) padded ones."""
+    return PACKED_FUSED if packed and fused else PADDED
 
 
 @dataclass(frozen=True)
@@ -42,24 +69,24 @@ class CheckpointChoice:
     budget_gib: float
     tokens: int  # tokens of the longest micro-batch the choice was made for
     fits: bool  # False: even with every layer checkpointed the prediction exceeds the budget
+    regime: str = PADDED.regime  # the ActivationCosts the prediction used
 
     def describe(self) -> str:
         return (f"activation checkpointing auto: {self.layers}/{self.num_layers} decoder layers checkpointed for "
                 f"{self.tokens} tokens per micro-batch; predicted peak {self.predicted_peak_gib:.1f} GiB of a "
-                f"{self.budget_gib:.1f} GiB budget" + ("" if self.fits else " (OVER budget even with all layers)"))
+                f"{self.budget_gib:.1f} GiB budget ({self.regime})"
+                + ("" if self.fits else " (OVER budget even with all layers)"))
 
 
 def predicted_peak_gib(tokens: int, hidden: int, num_layers: int, checkpointed: int, weight_bytes: int,
-                       base: float = BASE_BYTES_PER_TOKEN_HIDDEN,
-                       kept: float = KEPT_LAYER_BYTES_PER_TOKEN_HIDDEN) -> float:
+                       costs: ActivationCosts = PADDED) -> float:
     """Peak device memory (GiB) predicted by the activation model above."""
     kept_layers = num_layers - max(0, min(num_layers, checkpointed))
-    return (weight_bytes + tokens * hidden * (base + kept * kept_layers)) / GIB
+    return (weight_bytes + tokens * hidden * (costs.base + costs.kept * kept_layers)) / GIB
 
 
 def choose_checkpoint_layers(tokens: int, hidden: int, num_layers: int, weight_bytes: int, budget_gib: float,
-                             margin: float = 0.05, base: float = BASE_BYTES_PER_TOKEN_HIDDEN,
-                             kept: float = KEPT_LAYER_BYTES_PER_TOKEN_HIDDEN) -> CheckpointChoice:
+                             margin: float = 0.05, costs: ActivationCosts = PADDED) -> CheckpointChoice:
     """The fewest checkpointed decoder layers whose predicted peak is within ``budget_gib · (1 − margin)``.
 
     Fewer checkpointed layers = less recomputation = a faster step, so the smallest count that fits wins.
@@ -69,11 +96,11 @@ def choose_checkpoint_layers(tokens: int, hidden: int, num_layers: int, weight_b
         raise ValueError("tokens, hidden, num_layers and budget_gib must be positive")
     limit = budget_gib * (1.0 - margin)
     for k in range(num_layers + 1):
-        peak = predicted_peak_gib(tokens, hidden, num_layers, k, weight_bytes, base, kept)
+        peak = predicted_peak_gib(tokens, hidden, num_layers, k, weight_bytes, costs)
         if peak <= limit:
-            return CheckpointChoice(k, num_layers, peak, budget_gib, int(tokens), True)
-    peak = predicted_peak_gib(tokens, hidden, num_layers, num_layers, weight_bytes, base, kept)
-    return CheckpointChoice(num_layers, num_layers, peak, budget_gib, int(tokens), False)
+            return CheckpointChoice(k, num_layers, peak, budget_gib, int(tokens), True, costs.regime)
+    peak = predicted_peak_gib(tokens, hidden, num_layers, num_layers, weight_bytes, costs)
+    return CheckpointChoice(num_layers, num_layers, peak, budget_gib, int(tokens), False, costs.regime)
 
 
 # QLoRA's weights against bf16: the language model in nf4 with double quantization (~0.53 bytes a parameter),
@@ -82,14 +109,14 @@ QLORA_WEIGHT_FRACTION = 0.37
 
 
 def over_budget_advice(choice: CheckpointChoice, hidden: int, weight_bytes: int, pairs_per_micro_batch: int,
-                       margin: float = 0.05, base: float = BASE_BYTES_PER_TOKEN_HIDDEN) -> str | None:
+                       margin: float = 0.05, costs: ActivationCosts = PADDED) -> str | None:
     """One line naming the setting to change when ``choice`` does not fit even with every layer checkpointed
     (None when it fits): a smaller ``max_pixels`` / ``max_length`` (with the tokens per pair that would fit) where
     the weights leave room for activations, QLoRA where they alone (nearly) fill the budget."""
     if choice.fits:
         return None
     limit = choice.budget_gib * (1.0 - margin) * GIB
-    room_tokens = (limit - weight_bytes) / (hidden * base)  # tokens per micro-batch with every layer checkpointed
+    room_tokens = (limit - weight_bytes) / (hidden * costs.base)  # tokens per micro-batch with every layer checkpointed
     per_pair = int(room_tokens // max(1, pairs_per_micro_batch))
     head = (f"memory budget {choice.budget_gib:.0f} GiB: even with all {choice.num_layers} decoder layers "
             f"checkpointed the memory model predicts {choice.predicted_peak_gib:.1f} GiB for {choice.tokens} tokens a "

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 from lychee_pipeline.host import cpus_available
 from lychee_pipeline.reranker import GroupCollator, load_reranker
 from lychee_pipeline.reranker.collate import max_pixels_at, sample_group
+from lychee_pipeline.reranker.kernels import fused_kernels_applied
 from lychee_pipeline.reranker.losses import get_loss
 from lychee_pipeline.reranker.processing import ProcessingConfig
 from lychee_pipeline.tracking import StageTracker
@@ -106,9 +107,11 @@ def resolve_activation_checkpointing(model, collator: GroupCollator, records, tr
     decoder_layers = model.family.decoder_layers
     hf = model.base_model
     text = getattr(hf.config, "text_config", hf.config)
-    tokens = memory.longest_micro_batch_tokens(lengths, pairs_per_micro_batch, packed=bool(model.config.pack_pairs))
+    packed = bool(model.config.pack_pairs)
+    tokens = memory.longest_micro_batch_tokens(lengths, pairs_per_micro_batch, packed=packed)
+    costs = memory.activation_costs(packed=packed, fused=fused_kernels_applied(model))
     return memory.choose_checkpoint_layers(tokens, int(text.hidden_size), len(decoder_layers(hf)),
-                                           memory.weights_bytes(model), train.memory_budget_gib)
+                                           memory.weights_bytes(model), train.memory_budget_gib, costs=costs)
 
 
 def run(spec: StageSpec) -> StageResult | None:
