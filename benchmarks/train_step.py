@@ -1,6 +1,6 @@
 """Training-step benchmark on the Qwen2.5-VL-7B architecture (random weights, bf16, LoRA r=16 on q/k/v/o), or
-Qwen3-VL-2B / -8B (``--family qwen3_vl --size 2b|8b``; variants a, b, c<K> only: its family refuses packing and
-liger, and has no batched-window vision path).
+Qwen3-VL-2B / -8B (``--family qwen3_vl --size 2b|8b``; variants a, b, c<K>, +pack: its family refuses liger and
+has no batched-window vision path).
 
     PYTHONPATH=src python benchmarks/train_step.py            # on a CUDA GPU (the figures of docs/benchmarks.md)
     PYTHONPATH=src python benchmarks/train_step.py --tiny     # the same code paths on a CPU, in seconds

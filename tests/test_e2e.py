@@ -159,12 +159,12 @@ def test_cli_refuses_more_gpus_than_visible(tmp_path):
 
 def test_smoke_on_the_tiny_qwen3_vl_model_lifts_mrr(tmp_path):
     """The second family through the same chain (issue 31): `kedro run --pipelines smoke` with
-    `model.name_or_path=builtin:tiny-qwen3-vl` alone, trained padded (its family refuses packing) and lifting MRR@10."""
+    `model.name_or_path=builtin:tiny-qwen3-vl` alone, trained on packed pairs (pack_pairs auto) and lifting MRR@10."""
     from project_runs import kedro_run, make_cli_project
 
     root = make_cli_project(tmp_path / "project")
     log = kedro_run(root / "notebooks", "--pipelines", "smoke", "--params", "model.name_or_path=builtin:tiny-qwen3-vl")
-    assert "pack_pairs auto: padded batches (the qwen3_vl family does not pack pairs" in log
+    assert "pack_pairs auto: padded batches" not in log  # the family packs
     metrics = json.loads((root / "data/08_reporting/evaluation_mlflow_metrics.json").read_text())
     base, tuned = metrics["test.mrr_at_10.base"], metrics["test.mrr_at_10.finetuned"]
     assert tuned > base + 0.1, f"fine-tuned MRR@10 {tuned:.3f} does not beat base {base:.3f} by 0.1"

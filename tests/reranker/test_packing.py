@@ -1,6 +1,7 @@
 """Packing a group's pairs into one sequence (reranker/packing.py) computes what the padded path computes:
-fp32 on the CPU, the built-in tiny Qwen2.5-VL, pairs of different lengths, with and without images (so the
-3-D mRoPE positions matter)."""
+fp32 on the CPU, the built-in tiny Qwen2.5-VL and (``family_model``) the tiny Qwen3-VL, whose DeepStack adds
+vision-layer features at the image rows of its first decoder layers; pairs of different lengths, with and without
+images (so the 3-D mRoPE positions matter)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,28 @@ import torch
 from PIL import Image
 
 from lychee_pipeline.reranker import packing
-from lychee_pipeline.reranker.families import qwen2_5_vl
 from lychee_pipeline.reranker.collate import GroupCollator, PairCollator
 from lychee_pipeline.reranker.inference import Reranker
 from lychee_pipeline.reranker.losses import listwise_loss
+from lychee_pipeline.reranker.model import ModelConfig, load_reranker
+from lychee_pipeline.reranker.tiny import ensure_tiny
+
+QWEN3 = "builtin:tiny-qwen3-vl"
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory) -> str:
+    return str(ensure_tiny(tmp_path_factory.mktemp("tiny") / "qwen3", QWEN3))
+
+
+@pytest.fixture(params=["qwen2_5_vl", "qwen3_vl"])
+def family_model(request, make_model):
+    """``make_model`` for the tiny model of each family."""
+    if request.param == "qwen2_5_vl":
+        return make_model
+    directory = request.getfixturevalue("qwen3_dir")
+    return lambda **overrides: load_reranker(ModelConfig(name_or_path=QWEN3, tiny_cache_dir=directory, **overrides),
+                                             device="cpu")
 
 
 def _image(path, w, h, seed):
@@ -82,8 +101,8 @@ def test_pack_inputs_layout(make_model, tmp_path):
 
 
 @pytest.mark.parametrize("images", [True, False], ids=["images", "text_only"])
-def test_packed_scores_equal_padded(make_model, tmp_path, images):
-    padded, packed = _pair_of_models(make_model)
+def test_packed_scores_equal_padded(family_model, tmp_path, images):
+    padded, packed = _pair_of_models(family_model)
     batch = _model_batch(GroupCollator(padded.processor, group_size=4)(_rows(tmp_path, images=images)))
     assert bool((batch["attention_mask"] == 0).any())  # the padded path really pads
     padded.eval()
@@ -110,8 +129,23 @@ def test_packed_scores_need_the_mrope_positions(make_model, tmp_path):
     assert (right - wrong).abs().max() > 1e-3
 
 
-def test_packed_group_of_one_pair(make_model, tmp_path):
-    padded, packed = _pair_of_models(make_model)
+def test_packed_qwen3_scores_need_the_deepstack_features(qwen3_dir, tmp_path, monkeypatch):
+    """The Qwen3-VL check above can fail: a packed forward without DeepStack (the vision-layer features added at the
+    image rows of the first decoder layers) gives other scores than the padded path."""
+    def make(**overrides):
+        return load_reranker(ModelConfig(name_or_path=QWEN3, tiny_cache_dir=qwen3_dir, **overrides), device="cpu")
+
+    padded, packed = _pair_of_models(make)
+    batch = _model_batch(GroupCollator(padded.processor, group_size=4)(_rows(tmp_path)))
+    padded.eval()
+    packed.eval()
+    monkeypatch.setattr(packing, "_deepstack_inputs", lambda *args: {})
+    with torch.no_grad():
+        assert (packed(**batch) - padded(**batch)).abs().max() > 1e-3
+
+
+def test_packed_group_of_one_pair(family_model, tmp_path):
+    padded, packed = _pair_of_models(family_model)
     row = _rows(tmp_path, n_groups=1)[0]  # a micro-batch of one pair (the scorer's last batch can be one)
     batch = PairCollator(padded.processor)([(row["query"], row["positives"][0])])
     assert batch["input_ids"].shape[0] == 1 and batch["pixel_values"] is not None
@@ -122,17 +156,17 @@ def test_packed_group_of_one_pair(make_model, tmp_path):
 
 
 @pytest.mark.parametrize("checkpoint_layers", [None, 1], ids=["no_checkpointing", "one_layer_checkpointed"])
-def test_packed_gradients_equal_padded(make_model, tmp_path, checkpoint_layers):
+def test_packed_gradients_equal_padded(family_model, tmp_path, checkpoint_layers):
     """A listwise loss on the scores, backward: the LoRA gradients of the packed step equal the padded step's
     (also with a checkpointed layer, whose recompute in backward must see the same pairs)."""
-    padded, packed = _pair_of_models(make_model)
+    padded, packed = _pair_of_models(family_model)
     batch = GroupCollator(padded.processor, group_size=4)(_rows(tmp_path))
     group_size = batch["group_size"]
     inputs = _model_batch(batch)
 
     def grads(model):
         if checkpoint_layers is not None:
-            qwen2_5_vl.apply_selective_checkpointing(model, layers=checkpoint_layers)
+            model.family.apply_selective_checkpointing(model, layers=checkpoint_layers)
         model.train()
         model.zero_grad(set_to_none=True)
         loss = listwise_loss(model(**inputs), group_size)
@@ -150,9 +184,9 @@ def test_packed_gradients_equal_padded(make_model, tmp_path, checkpoint_layers):
         assert rel < 1e-5, (name, float(rel))
 
 
-def test_scoring_with_packing_equals_padded(make_model, tmp_path):
+def test_scoring_with_packing_equals_padded(family_model, tmp_path):
     """The scoring path (Reranker.score_pairs: sorted batches, a host thread ahead) gives the padded scores."""
-    padded, packed = _pair_of_models(make_model, finetune="frozen")
+    padded, packed = _pair_of_models(family_model, finetune="frozen")
     rows = _rows(tmp_path, n_groups=2)
     pairs = [(row["query"], doc) for row in rows for doc in row["positives"] + row["negatives"]]
     scores = {}

@@ -167,3 +167,26 @@ def test_the_variable_length_kernels_inputs_give_the_masked_attention(make_model
         expected = torch.nn.functional.scaled_dot_product_attention(seg_q, seg_k, seg_v, attn_mask=bias)
         torch.testing.assert_close(masked[0, bounds_q[i] : bounds_q[i + 1]], expected[0].transpose(0, 1),
                                    rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("query_images,doc_images", [(True, True), (False, False)], ids=["both", "text_only"])
+def test_prefix_reuse_on_the_qwen3_vl_family_keeps_its_scores(tmp_path, query_images, doc_images):
+    """Qwen3-VL's DeepStack features follow the kept images when prefixes are shared: the same scores as its plain
+    packed path (fp32, builtin:tiny-qwen3-vl), fewer tokens."""
+    from lychee_pipeline.reranker.model import ModelConfig, load_reranker
+    from lychee_pipeline.reranker.tiny import ensure_tiny
+
+    name = "builtin:tiny-qwen3-vl"
+    folder = str(ensure_tiny(tmp_path / "qwen3", name))
+    model = load_reranker(ModelConfig(name_or_path=name, tiny_cache_dir=folder, finetune="frozen"), device="cpu")
+    assert model.config.pack_pairs is True  # pack_pairs auto packs this family too
+    model.eval()
+    pairs = _pairs(tmp_path, query_images, doc_images)
+    counts, scores = {}, {}
+    for reuse in (False, True):
+        counter = TokenCount(model)
+        scores[reuse] = Reranker(model, batch_size=7, max_pixels=64 * 32 * 32, prefix_reuse=reuse).score_pairs(pairs)
+        counter.handle.remove()
+        counts[reuse] = counter.tokens
+    torch.testing.assert_close(torch.tensor(scores[True]), torch.tensor(scores[False]), rtol=0, atol=1e-5)
+    assert counts[True] < counts[False], counts

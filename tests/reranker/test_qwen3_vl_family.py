@@ -152,20 +152,17 @@ def test_a_saved_adapter_folder_scores_the_same_and_carries_its_processing_setti
     assert base.processing == ProcessingConfig(max_length=10240, **BUDGET)
 
 
-def test_packing_and_liger_are_refused_in_one_line_and_auto_keeps_the_plain_paths(make_qwen3):
-    with pytest.raises(ValueError) as err:
-        make_qwen3(finetune="frozen", pack_pairs=True)
-    assert str(err.value) == (
-        "model.pack_pairs: the qwen3_vl family does not support pairs packed into one sequence (host-side vision "
-        "inputs, features placed at the image rows): the packed forward has no DeepStack injection (vision-layer "
-        "features added into the first decoder layers at the image rows) and assumes Qwen2.5-VL's get_rope_index; "
-        "set model.pack_pairs: false")
+def test_liger_is_refused_in_one_line_and_auto_packs_without_it(make_qwen3):
+    """liger's switch knows Qwen2.5-VL's modules only: refused in one line, ``auto`` keeps the plain kernels; packing
+    holds for this family (its DeepStack features placed at the packed image rows: tests/reranker/test_packing.py)."""
     with pytest.raises(RuntimeError) as err:
         resolve_kernels("liger", "cpu", families.refused(qwen3_vl, "kernels"))
     assert str(err.value) == ("model.kernels=liger: the model's family does not support it: liger-kernel's fused "
                               "switch is written for Qwen2.5-VL's modules; use kernels=auto or none")
     assert resolve_kernels("auto", "cuda", families.refused(qwen3_vl, "kernels")) == "none"
-    assert make_qwen3(finetune="frozen").config.pack_pairs is False  # auto: padded batches
+    assert families.refused(qwen3_vl, "pack_pairs") is None
+    assert make_qwen3(finetune="frozen").config.pack_pairs is True  # auto: packed pairs
+    assert make_qwen3(finetune="frozen", pack_pairs=False).config.pack_pairs is False
 
 
 def test_pack_pairs_auto_still_packs_the_qwen2_5_vl_family(make_model):

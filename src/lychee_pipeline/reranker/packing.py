@@ -416,11 +416,27 @@ def packed_last_hidden(vl_model: nn.Module, batch: dict[str, Any] | PackedBatch)
     embedding = vl_model.get_input_embeddings()
     packed = batch if isinstance(batch, PackedBatch) else pack_batch(vl_model, batch).to(embedding.weight.device)
     embeds = embedding(packed.input_ids)
+    deepstack: dict[str, Any] = {}
     if packed.pixel_values is not None:
         features = vl_model.get_image_features(packed.pixel_values, packed.image_grid_thw, return_dict=True,
-                                               **packed.vision_to_device, **packed.vision_on_host).pooler_output
-        image_embeds = torch.cat(tuple(features), dim=0).to(embeds.dtype)
+                                               **packed.vision_to_device, **packed.vision_on_host)
+        image_embeds = torch.cat(tuple(features.pooler_output), dim=0).to(embeds.dtype)
         embeds = embeds.index_copy(1, packed.image_rows, image_embeds.unsqueeze(0))
+        deepstack = _deepstack_inputs(features, packed.image_rows, embeds)
     outputs = vl_model.language_model(inputs_embeds=embeds, position_ids=packed.position_ids, use_cache=False,
-                                      return_dict=True, **{PLAN_KWARG: packed.attention_bounds()})
+                                      return_dict=True, **deepstack, **{PLAN_KWARG: packed.attention_bounds()})
     return outputs.last_hidden_state[0].index_select(0, packed.last_index)
+
+
+def _deepstack_inputs(features: Any, image_rows: torch.Tensor, embeds: torch.Tensor) -> dict[str, Any]:
+    """Qwen3-VL's DeepStack: features of intermediate vision layers that its language model adds at the image rows
+    after each of its first decoder layers (``visual_pos_masks``, ``deepstack_visual_embeds``); {} for a tower
+    without them (Qwen2.5-VL). The language model adds them in the mask's row order, which is the order of
+    ``image_rows`` (ascending, one row per image token, images in sequence order) and of the features."""
+    layers = getattr(features, "deepstack_features", None)
+    if not layers:
+        return {}
+    mask = torch.zeros(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
+    mask[0, image_rows] = True
+    return {"visual_pos_masks": mask,
+            "deepstack_visual_embeds": [torch.cat(tuple(per_image), dim=0).to(embeds.dtype) for per_image in layers]}

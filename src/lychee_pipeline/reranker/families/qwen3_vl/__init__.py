@@ -7,6 +7,9 @@
 - ``recipe.py``: the 2B, 8B and ``tiny`` configs, and the ``builtin:tiny-qwen3-vl`` miniature;
 - ``vision.py``: the frozen tower without autograd, and selective checkpointing.
 
+Packed pairs (``model.pack_pairs``, reranker/packing.py) and prefix reuse hold: the packed forward places the
+DeepStack features (intermediate vision layers, added after the first decoder layers) at the packed image rows.
+
 Scoring is the library's: sigmoid(h_last · (w_yes − w_no)) = the two-logit softmax at the last position, as the
 official inference code computes it. Image tokens follow the Qwen2-VL image processor's rule (factor 32 here).
 """
@@ -26,8 +29,6 @@ NAME = "qwen3_vl"
 # Qwen3-VL-Reranker's processing: 4 to 1,800 visual tokens per image, 10,240 tokens per pair
 PROCESSING_DEFAULTS: dict[str, int] = {"max_length": 10240, "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS}
 REFUSED_FAST_PATHS: dict[str, str] = {
-    "pack_pairs": "the packed forward has no DeepStack injection (vision-layer features added into the first "
-                  "decoder layers at the image rows) and assumes Qwen2.5-VL's get_rope_index",
     "kernels": "liger-kernel's fused switch is written for Qwen2.5-VL's modules",
 }
 

@@ -55,8 +55,9 @@ def disable_fast_path(model: nn.Module) -> nn.Module:
 
 
 def vision_inputs_on_host(vision_config: Any, image_grid_thw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Not used: packing is refused for this family (``REFUSED_FAST_PATHS``)."""
-    raise NotImplementedError("the qwen3_vl family does not pack pairs (see REFUSED_FAST_PATHS)")
+    """The tower's grid-derived inputs a packed batch prepares on the host: none (Qwen3-VL's tower attends over whole
+    images and derives its positions itself; Qwen2.5-VL's window indices have no counterpart here)."""
+    return {}, {}
 
 
 def apply_selective_checkpointing(model: nn.Module, layers: int | float | None = None) -> int:
