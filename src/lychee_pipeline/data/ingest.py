@@ -12,6 +12,7 @@ import pyarrow as pa
 
 from lychee_pipeline.data.params import IngestionParams
 from lychee_pipeline.data.records import chunk_ranges, parse_chunk, read_line_at
+from lychee_pipeline.runtime.errors import InvalidParameter
 from lychee_pipeline.schema import MODEL_INPUT_SCHEMA
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,8 @@ def _parsed_chunks(files: list[str], ingestion: IngestionParams):
     chunk_bytes = max(1, int(ingestion.chunk_mb * 2**20))
     max_text_chars = ingestion.max_text_chars
     if max_text_chars < 1:
-        raise ValueError(f"invalid parameter data_processing.ingestion.max_text_chars: must be >= 1, got {max_text_chars}")
+        raise InvalidParameter(
+            f"invalid parameter data_processing.ingestion.max_text_chars: must be >= 1, got {max_text_chars}")
     ranges = chunk_ranges(files, chunk_bytes)
     tasks = [(file, start, end, ingestion.batch_size, ingestion.rejected_raw_chars, max_text_chars)
              for file, start, end in ranges]
