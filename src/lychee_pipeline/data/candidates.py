@@ -152,7 +152,7 @@ def _parse_line(number: int, raw: bytes, resolver: Resolver | None, checked: dic
         if unknown:  # a misnamed key is the likelier story than the missing one it causes
             loc = ".".join(str(p) for p in unknown[0]["loc"])
             return _refused(number, text, f"unknown field '{loc}' (a line has: id, query, docs)")
-        return _refused(number, text, reason_of(error))
+        return _refused(number, text, reason_of(error, text))
     query_id = norm_text(parsed.id) or f"line-{number}"
     if isinstance(parsed.query, str):
         query = {"text": norm_text(parsed.query), "image": None}
