@@ -185,7 +185,8 @@ def test_short_groups_are_filled_by_default_and_the_slots_logged(tmp_path, no_la
         nodes.export_training_table(table, stage_plan(tmp_path / "small", group_size=10))
     assert str(error.value).startswith("invalid parameter training.group_size=10: 9 of 9 training records cannot "
                                        "fill a group with 9 negatives (group_size - 1)"), error.value
-    assert "e.g. record red-dress: 5 own + 3 to draw; training.group_size is at most 9 for this data" in str(error.value)
+    assert ("e.g. record red-dress: 5 own + 3 to draw; training.group_size is at most 9 for this data"
+            in str(error.value))
 
 
 @pytest.mark.parametrize("ids", ["by content", "one per mention"])
