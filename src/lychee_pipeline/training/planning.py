@@ -221,14 +221,11 @@ def unfillable_groups(records: pa.Table, group_size: int) -> dict[str, Any]:
     from lychee_pipeline.reranker.collate import drawable_negative_counts
 
     rows = records.select(["record_id", "positives", "negatives"]).to_pylist()
-    need = group_size - 1
-    short, largest = [], None
-    for row, drawable in zip(rows, drawable_negative_counts(rows)):
-        own = len(row["negatives"] or [])
-        largest = min(own + drawable + 1, largest if largest is not None else own + drawable + 1)
-        if own < need and own + drawable < need:
-            short.append((str(row["record_id"]), own, drawable))
-    return {"records": len(rows), "short": short, "largest_group_size": largest if largest and largest >= 2 else 0}
+    counts = [(str(row["record_id"]), len(row["negatives"] or []), drawable)
+              for row, drawable in zip(rows, drawable_negative_counts(rows))]
+    short = [(record, own, drawable) for record, own, drawable in counts if own + drawable < group_size - 1]
+    largest = min((own + drawable + 1 for _, own, drawable in counts), default=0)  # 1 positive + the negatives
+    return {"records": len(rows), "short": short, "largest_group_size": largest if largest >= 2 else 0}
 
 
 def export_training_table(train_records: pa.Table, plan: TrainingPlan) -> str:
