@@ -163,6 +163,7 @@ def _no_mlflow_run_left_active():
 SLOW_FIXTURES = {
     "smoke_run",                  # `kedro run --pipelines smoke` in a project copy (tests/conftest.py)
     "data_project",               # `kedro run --pipeline data` in a project copy (tests/user_tools)
+    "newcomer_data_run",          # `kedro run --pipelines data` on an own corpus, then the run summary node
     "mlflow_server",              # `mlflow server` (tests/user_tools)
     "uninterrupted_reference",    # stage runs shared by the training tests (tests/training/conftest.py)
     "two_process_epoch",

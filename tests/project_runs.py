@@ -56,11 +56,13 @@ def make_cli_project(root: Path) -> Path:
     return project
 
 
-def kedro_run(cwd: Path, *args: str) -> str:
-    """`kedro run ARGS` as a user types it, from `cwd`; returns its log (stdout + stderr), asserting exit 0."""
+def kedro_run(cwd: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    """`kedro run ARGS` as a user types it, from `cwd` (with `env` added to this process's environment); returns
+    its log (stdout + stderr), asserting exit 0."""
+    extra = env or {}
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING")}
     env.update(KEDRO_DISABLE_TELEMETRY="1", MLFLOW_DISABLE_TELEMETRY="1", DO_NOT_TRACK="1",
-               TOKENIZERS_PARALLELISM="false")
+               TOKENIZERS_PARALLELISM="false", **extra)
     proc = subprocess.run([sys.executable, "-m", "kedro", "run", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=900)
     out = proc.stdout + proc.stderr

@@ -40,10 +40,10 @@ def test_smoke_trains_and_beats_the_untrained_model(smoke_project):
     stages = json.loads((smoke_project / "data/06_models/stage_results/all_stages.json").read_text())
     assert [s["stage"] for s in stages] == ["stage_1cpu_final"] and stages[0]["steps"] == 300
     summary = json.loads((smoke_project / "data/08_reporting/run_summary.json").read_text())
-    assert summary["records_in"] == 2400 and summary["mrr_at_10_finetuned"] == pytest.approx(tuned)
-    # every line accounted for: clean + rejected + duplicate lines, then normalized + quarantined records
-    assert summary["records_in"] == summary["records_clean"] + summary["rejected"] + summary["duplicates"]
-    assert summary["records_clean"] == summary["records_normalized"] + summary["quarantined"]
+    assert summary["lines_in"] == 2400 and summary["mrr_at_10_finetuned"] == pytest.approx(tuned)
+    # every line accounted for: records + rejected + duplicate lines, then normalized + quarantined records
+    assert summary["lines_in"] == summary["records_in"] + summary["rejected"] + summary["duplicates"]
+    assert summary["records_in"] == summary["records_normalized"] + summary["quarantined"]
     for plot in (smoke_project / "data/08_reporting").rglob("*.png"):
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -153,7 +153,8 @@ def decide(comparison: Mapping[str, Mapping[str, Any]], gate: Mapping[str, Any],
     gate = {**DEFAULT_GATE, **dict(gate or {})}
     metric, alpha, min_improvement = str(gate["metric"]), float(gate["alpha"]), float(gate["min_improvement"])
     if metric not in comparison:
-        raise ValueError(f"registry.gate.metric {metric!r} is not one of {sorted(comparison)}")
+        raise InvalidParameter(f"invalid parameter registry.gate.metric: {metric!r} is not one of "
+                               f"{sorted(comparison)}")
     row = comparison[metric]
     diff, p = row.get("diff"), row.get("p_value")
     figures = (f"{metric} {_fmt(row.get('base'))} -> {_fmt(row.get('finetuned'))} ({'+' if (diff or 0) >= 0 else ''}"

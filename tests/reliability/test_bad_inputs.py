@@ -17,6 +17,7 @@ from lychee_pipeline.data.images import check_image
 from lychee_pipeline.pipelines.training import nodes
 from lychee_pipeline.training import planning
 from lychee_pipeline.reranker.collate import BrokenImageError, PairCollator, load_image
+from lychee_pipeline.runtime.errors import InvalidParameter
 
 MIN_PIXELS, MAX_PIXELS = 3136, 12544
 
@@ -178,10 +179,66 @@ def test_short_groups_are_filled_by_default_and_the_slots_logged(tmp_path, no_la
     assert "9 of 9 training records have fewer than 7 negatives (fewest: 5); 18 group slot(s) per epoch" in caplog.text
     assert planning.short_group_counts(table, 8) == {"records": 9, "short_records": 9, "fewest_negatives": 5,
                                                    "filled_slots_per_epoch": 18}
-    # 9 records hold 9 distinct documents: a group of 10 cannot be filled without repeating or a positive
-    with pytest.raises(ValueError, match="only 9 distinct documents to draw from; lower training.group_size or "
-                                         "raise data_processing.normalization.min_negatives"):
+    # 9 records hold 9 distinct documents: a record has 5 negatives and may draw the 3 others that are not its
+    # own positive or negatives, so a group of 10 (9 negatives) cannot be filled, and 9 is the most that fits
+    with pytest.raises(InvalidParameter) as error:
         nodes.export_training_table(table, stage_plan(tmp_path / "small", group_size=10))
+    assert str(error.value).startswith("invalid parameter training.group_size=10: 9 of 9 training records cannot "
+                                       "fill a group with 9 negatives (group_size - 1)"), error.value
+    assert ("e.g. record red-dress: 5 own + 3 to draw; training.group_size is at most 9 for this data"
+            in str(error.value))
+
+
+@pytest.mark.parametrize("ids", ["by content", "one per mention"])
+def test_the_check_before_launch_and_the_negative_draw_agree(tmp_path, no_launch, ids):
+    """What export_training_table lets through, the draw fills for every record and epoch; what it refuses, the
+    draw cannot fill (issue 32 item 6). "one per mention": every document has its own doc_id while the texts
+    repeat (the draw compares by content too), which the old count of distinct doc_ids let through."""
+    from lychee_pipeline.reranker.collate import ShortGroupError, sample_group
+
+    table = make_table(tmp_path, negatives=5)
+    if ids == "one per mention":
+        rows = table.to_pylist()
+        for row in rows:
+            for n, doc in enumerate(row["positives"] + row["negatives"]):
+                doc["doc_id"] = f"{row['record_id']}#{n}"
+        table = pa.Table.from_pylist(rows, schema=table.schema)
+    largest = planning.unfillable_groups(table, 2)["largest_group_size"]
+    assert largest == (9 if ids == "by content" else 15)
+    rows = table.to_pylist()
+    assert nodes.export_training_table(table, stage_plan(tmp_path / "fits", group_size=largest))
+    for epoch in range(3):
+        for row in rows:
+            group = sample_group(row, largest, epoch=epoch, seed=1, fill_pool=rows)
+            assert len({(d["text"], d["image"]) for d in group["docs"]}) == largest
+    with pytest.raises(InvalidParameter, match=f"training.group_size is at most {largest} for this data"):
+        nodes.export_training_table(table, stage_plan(tmp_path / "too_big", group_size=largest + 1))
+    short = dict((r, n) for r, *n in planning.unfillable_groups(table, largest + 1)["short"])
+    for row in rows:
+        if row["record_id"] in short:
+            with pytest.raises(ShortGroupError):
+                sample_group(row, largest + 1, fill_pool=rows)
+        else:
+            assert sample_group(row, largest + 1, fill_pool=rows)["docs"]
+    doc_ids = {d["doc_id"] for row in rows for d in row["positives"] + row["negatives"]}
+    if ids == "one per mention":  # the old count (distinct doc_ids >= group_size) let the larger group through
+        assert len(doc_ids) >= largest + 1
+
+
+def test_the_draw_finds_a_rare_usable_document_in_a_large_pool():
+    """One usable document among 2000 records that repeat the record's own positive: the random picks run out
+    of tries (320 for one slot), then every candidate is looked at, so the count before launch holds."""
+    from lychee_pipeline.reranker.collate import drawable_negative_counts, sample_group
+
+    same = {"doc_id": "same", "text": "a red dress", "image": None}
+    rows = [{"record_id": "r", "query": {"text": "red dress"}, "positives": [same], "negatives": []}]
+    rows += [{"record_id": f"o{i}", "query": {"text": f"q{i}"}, "positives": [same], "negatives": []}
+             for i in range(2000)]
+    rows.append({"record_id": "rare", "query": {"text": "hat"}, "positives": [
+        {"doc_id": "hat", "text": "a blue hat", "image": None}], "negatives": []})
+    assert drawable_negative_counts(rows)[0] == 1
+    group = sample_group(rows[0], 2, seed=0, fill_pool=rows)
+    assert group["doc_ids"] == ["same", "hat"] and group["filled"] == 1
 
 
 def test_negative_fill_is_a_checked_parameter(tmp_path):

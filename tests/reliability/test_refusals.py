@@ -162,3 +162,46 @@ def test_a_parameter_error_of_any_node_is_a_refusal():
     assert isinstance(error.value, UserInputError) and refusal_in(RuntimeError("node failed")) is None
     assert str(error.value).startswith("invalid parameter evaluation.seed: ")
 
+
+
+def _numbered_corpus(folder: Path, records: int = 14, products: int = 7) -> Path:
+    """Issue 32 item 6: a small shop whose documents carry an id per line, the same product texts again and
+    again (record i: product i % 7 as positive, the next product as negative, all pinned to train). 28 doc_ids,
+    but the negative draw compares by doc_id or content, and a record may use only the 5 products that are not
+    its own positive or negative: a group of 8 needs 6 drawn, so every record is short of one."""
+    folder.mkdir()
+    lines = [json.dumps({"id": f"r{i}", "query": f"query {i}", "split": "train",
+                         "pos_doc": {"id": f"r{i}-pos", "text": f"product {i % products}"},
+                         "neg_docs": [{"id": f"r{i}-neg", "text": f"product {(i + 1) % products}"}]})
+             for i in range(records)]
+    (folder / "records.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def test_a_corpus_too_small_for_the_negative_draw_is_refused_before_launch(project, tmp_path):
+    """What the draw can use, counted before any process starts: one line naming how many records are short,
+    what a group needs and the setting to change (it passed the old count of distinct doc_ids, then failed
+    inside the training processes with ShortGroupError and two tracebacks)."""
+    raw = _numbered_corpus(tmp_path / "raw")
+    code, lines, _ = _kedro(project, "--pipelines", "smoke", "--params", f"data.raw_path={raw}")
+    _assert_refused_in_one_line(
+        code, lines, project, "invalid parameter training.group_size=8: 14 of 14 training records cannot fill a "
+                              "group with 7 negatives (group_size - 1)")
+    last = lines[-1]
+    assert "at most 7 for this data" in last and "a smaller training.group_size or more data" in last, last
+    assert not list((project / "data" / "06_models").rglob("spec.json")), "a stage was launched"
+    assert not list((project / "data" / "06_models").rglob("train.parquet")), "the table was exported"
+    assert not [x for x in lines if "ShortGroupError" in x], "\n".join(lines)
+
+
+def test_a_parameter_a_data_node_checks_is_one_line(project, tmp_path):
+    """Issue 32: a user parameter checked inside a node (here data_processing.ingestion.max_text_chars, checked by
+    the ingestion node) is refused input too: its one line, not a traceback around a plain ValueError."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "records.jsonl").write_text(json.dumps({"query": "red dress", "pos_doc": {"text": "a red dress"}}) + "\n")
+    code, lines, _ = _kedro(project, "--pipelines", "data", "--params",
+                            f"data.raw_path={raw},data_processing.ingestion.max_text_chars=0")
+    _assert_refused_in_one_line(code, lines, project, "invalid parameter data_processing.ingestion.max_text_chars: "
+                                                      "must be >= 1, got 0")
+    assert not [x for x in lines if "--from-nodes" in x], "a resume advice for refused input"

@@ -173,3 +173,22 @@ def test_counted_work_in_a_file_is_a_few_plain_lines(caplog, capsys):
     assert not any("mining" in line for line in lines)
     printed = capsys.readouterr()
     assert "\r" not in printed.err + printed.out and "\x1b[" not in printed.err + printed.out
+
+
+def test_counted_work_that_arrives_in_one_chunk_is_timed_from_its_start(caplog):
+    """Issue 32 item 9: results handed back in chunks (the image check's process pool) arrive all at once; the
+    rate counted from the first one seen read "688361.5 images/s". It counts from the moment the work began."""
+    import logging
+    import re
+    import time
+
+    from lychee_pipeline.runtime.progress import CountedProgress
+
+    with caplog.at_level(logging.INFO, logger="lychee_pipeline.runtime.progress"):
+        with CountedProgress("checking images", 100, "image") as progress:
+            time.sleep(0.5)  # the pool starts and checks a chunk
+            for _ in range(100):
+                progress.update()
+    line = [r.getMessage() for r in caplog.records][-1]
+    rate = float(re.search(r"([\d.]+) images/s", line).group(1))
+    assert 100 / 5 < rate <= 100 / 0.5, line

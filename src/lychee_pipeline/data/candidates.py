@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from lychee_pipeline.data.images import Resolver, check_image
 from lychee_pipeline.data.params import RerankParams
 from lychee_pipeline.data.records import norm_ref, norm_text, reason_of
-from lychee_pipeline.runtime.errors import UnreadableData
+from lychee_pipeline.runtime.errors import InvalidParameter, MissingInput, UnreadableData
 from lychee_pipeline.schema import RawDoc, RawItem, blank
 
 log = logging.getLogger(__name__)
@@ -42,10 +42,11 @@ class CandidateLine(BaseModel):
 def input_path(rerank: RerankParams) -> Path:
     """``rerank.input`` as a path to an existing file, or a one-line error."""
     if not rerank.input:
-        raise ValueError('rerank.input is not set: kedro run --pipelines rerank --params "rerank.input=<file.jsonl>"')
+        raise InvalidParameter('invalid parameter rerank.input: not set: kedro run --pipelines rerank --params '
+                               '"rerank.input=<file.jsonl>"')
     path = Path(rerank.input).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"rerank.input: no file at {path}")
+        raise MissingInput(f"rerank.input: no file at {path}")
     return path
 
 
@@ -151,7 +152,7 @@ def _parse_line(number: int, raw: bytes, resolver: Resolver | None, checked: dic
         if unknown:  # a misnamed key is the likelier story than the missing one it causes
             loc = ".".join(str(p) for p in unknown[0]["loc"])
             return _refused(number, text, f"unknown field '{loc}' (a line has: id, query, docs)")
-        return _refused(number, text, reason_of(error))
+        return _refused(number, text, reason_of(error, text))
     query_id = norm_text(parsed.id) or f"line-{number}"
     if isinstance(parsed.query, str):
         query = {"text": norm_text(parsed.query), "image": None}

@@ -11,7 +11,8 @@ from typing import Any
 import pyarrow as pa
 
 from lychee_pipeline.data.params import IngestionParams
-from lychee_pipeline.data.records import chunk_ranges, parse_chunk, read_line_at
+from lychee_pipeline.data.records import chunk_ranges, parse_chunk, read_line_at, rejected_row
+from lychee_pipeline.runtime.errors import InvalidParameter
 from lychee_pipeline.schema import MODEL_INPUT_SCHEMA
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,8 @@ def _parsed_chunks(files: list[str], ingestion: IngestionParams):
     chunk_bytes = max(1, int(ingestion.chunk_mb * 2**20))
     max_text_chars = ingestion.max_text_chars
     if max_text_chars < 1:
-        raise ValueError(f"invalid parameter data_processing.ingestion.max_text_chars: must be >= 1, got {max_text_chars}")
+        raise InvalidParameter(
+            f"invalid parameter data_processing.ingestion.max_text_chars: must be >= 1, got {max_text_chars}")
     ranges = chunk_ranges(files, chunk_bytes)
     tasks = [(file, start, end, ingestion.batch_size, ingestion.rejected_raw_chars, max_text_chars)
              for file, start, end in ranges]
@@ -88,8 +90,8 @@ def ingest_files(
             record_id = given_id or "r" + digest.hex()[:16]
             if record_id in seen_ids:
                 reason = f"duplicate id '{record_id}' (first at {seen_ids[record_id][0]}:{seen_ids[record_id][1]})"
-                raw = read_line_at(file, offset).decode("utf-8", errors="replace")[:max_raw_chars]
-                events.append((line, {"file": file, "line": line, "reason": reason, "raw": raw}))
+                events.append((line, rejected_row(file, line, reason, record_id, read_line_at(file, offset),
+                                                  max_raw_chars)))
                 keep.append(False)
                 continue
             seen_ids[record_id] = seen_content[digest] = (file, base + line, record_id)

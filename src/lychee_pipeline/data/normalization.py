@@ -16,6 +16,7 @@ import pyarrow.compute as pc
 from lychee_pipeline.data.images import Resolver, check_image, check_image_task, stat_key
 from lychee_pipeline.data.params import ImageCheckParams, NormalizationParams
 from lychee_pipeline.project import stored_path
+from lychee_pipeline.runtime.errors import InvalidParameter, UnreadableData
 from lychee_pipeline.schema import MANIFEST_SCHEMA, MODEL_INPUT_SCHEMA, QUARANTINE_SCHEMA, REMOVED_NEGATIVE_SCHEMA
 from lychee_pipeline.runtime.progress import CountedProgress
 
@@ -135,7 +136,8 @@ def normalize_records(
     """Make image paths absolute; quarantine records with a bad query/positive image or too few negatives."""
     policy = normalization.policy
     if policy not in ("quarantine", "fail"):
-        raise ValueError(f"normalization.policy must be 'quarantine' or 'fail', got {policy!r}")
+        raise InvalidParameter(f"invalid parameter data_processing.normalization.policy: must be 'quarantine' or "
+                               f"'fail', got {policy!r}")
     min_negatives = normalization.min_negatives
     resolver = Resolver(raw_source["image_roots"])
     status = dict(zip(image_manifest.column("path").to_pylist(),
@@ -168,7 +170,7 @@ def normalize_records(
                     reason = f"fewer than min_negatives: {len(kept)} < {min_negatives}"
             if reason:
                 if policy == "fail":
-                    raise ValueError(f"record {row['record_id']}: {reason} (normalization.policy is 'fail')")
+                    raise UnreadableData(f"record {row['record_id']}: {reason} (normalization.policy is 'fail')")
                 row["reason"] = reason
                 bad.append(row)
             else:
@@ -176,8 +178,8 @@ def normalize_records(
         good_batches.append(pa.RecordBatch.from_pylist(good, schema=MODEL_INPUT_SCHEMA))
         bad_batches.append(pa.RecordBatch.from_pylist(bad, schema=QUARANTINE_SCHEMA))
     if policy == "fail" and removed:
-        raise ValueError(f"negative {removed[0]['doc_id']} of {removed[0]['record_id']}: {removed[0]['reason']}"
-                         " (normalization.policy is 'fail')")
+        raise UnreadableData(f"negative {removed[0]['doc_id']} of {removed[0]['record_id']}: {removed[0]['reason']}"
+                             " (normalization.policy is 'fail')")
     removed = collapsed + removed
     normalized = pa.Table.from_batches(good_batches, schema=MODEL_INPUT_SCHEMA)
     quarantined = pa.Table.from_batches(bad_batches, schema=QUARANTINE_SCHEMA)

@@ -29,7 +29,55 @@ _UNION_TAGS = {"str", "RawItem", "RawDoc", "list[RawDoc]", "literal['train','val
 
 
 class RejectedLine(Exception):
-    """A line that cannot become a record; the message is the reason."""
+    """A line that cannot become a record; the message is the reason, ``given_id`` the line's ``id`` when it was
+    parsed far enough to have one (else None)."""
+
+    def __init__(self, reason: str, given_id: str | None = None) -> None:
+        super().__init__(reason)
+        self.given_id = given_id
+
+
+def given_id_of(text: str) -> str | None:
+    """The ``id`` of a line that is a JSON object with a text ``id`` (normalized as a record's), else None: how a
+    rejected line can be found again. Python's JSON reader takes what the strict one refused (a lone surrogate,
+    a wrong type elsewhere); an id that is not valid Unicode itself is left out."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    given = value.get("id") if isinstance(value, dict) else None
+    if not isinstance(given, str):
+        return None
+    try:
+        given.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return norm_text(given)
+
+
+# A \uXXXX escape in JSON text (an escaped backslash, \\, is matched as its own escape so it never starts one).
+_ESCAPE = re.compile(r"\\(u[0-9a-fA-F]{4}|.)", re.DOTALL)
+
+
+def lone_surrogate(text: str) -> tuple[str, int] | None:
+    """The first \\uD800-\\uDFFF escape of ``text`` that is not half of a pair (a high one followed by a low
+    one), with its 1-based column; None when there is none. JSON text must be valid Unicode: a lone surrogate
+    is half of a character (a line cut between the two halves of an emoji, say)."""
+    escapes = [(m.start(), m.group(1)) for m in _ESCAPE.finditer(text)]
+    for i, (start, escape) in enumerate(escapes):
+        if escape[0] != "u" or not 0xD800 <= int(escape[1:], 16) <= 0xDFFF:
+            continue
+        code = int(escape[1:], 16)
+        if code <= 0xDBFF and i + 1 < len(escapes):  # a high surrogate: paired when a low one follows at once
+            after, follow = escapes[i + 1]
+            if after == start + 6 and follow[0] == "u" and 0xDC00 <= int(follow[1:], 16) <= 0xDFFF:
+                continue
+        if code >= 0xDC00 and i > 0:  # a low surrogate: paired when it completes the escape just before
+            before, lead = escapes[i - 1]
+            if before == start - 6 and lead[0] == "u" and 0xD800 <= int(lead[1:], 16) <= 0xDBFF:
+                continue
+        return "\\" + escape, start + 1
+    return None
 
 
 def norm_text(value: str | None) -> str | None:
@@ -108,13 +156,21 @@ def _hash(*parts: Any) -> str:
     return hashlib.sha1(repr(parts).encode("utf-8")).hexdigest()
 
 
-def reason_of(error: ValidationError) -> str:
-    """A short, readable reason from a pydantic validation error (its first problem)."""
+def reason_of(error: ValidationError, text: str | None = None) -> str:
+    """A short, readable reason from a pydantic validation error (its first problem); ``text``, the line, lets
+    a JSON error caused by a lone surrogate escape say so (the parser's words are "unexpected end of hex
+    escape" or "lone leading surrogate in hex escape")."""
     first = error.errors(include_url=False)[0]
     kind = first["type"]
     loc = ".".join(str(p) for p in first["loc"] if str(p) not in _UNION_TAGS)
     if kind == "json_invalid":
-        return f"malformed JSON: {first['ctx'].get('error', first['msg'])}"
+        detail = str(first["ctx"].get("error", first["msg"]))
+        lone = lone_surrogate(text) if text is not None and ("surrogate" in detail or "hex escape" in detail) else None
+        if lone:
+            return (f"malformed JSON: lone surrogate {lone[0]} at column {lone[1]}: half of a UTF-16 pair, not a "
+                    "character (JSON text must be valid Unicode: complete the pair, e.g. \\ud83d\\ude00, or "
+                    "remove it)")
+        return f"malformed JSON: {detail}"
     if kind == "missing":
         return f"missing field '{loc}'"
     if kind == "extra_forbidden":
@@ -155,14 +211,14 @@ def parse_record(text: str, max_text_chars: int = MAX_TEXT_CHARS) -> tuple[dict[
     try:
         raw = RawRecord.model_validate_json(text)
     except ValidationError as error:
-        raise RejectedLine(reason_of(error)) from None
+        raise RejectedLine(reason_of(error, text), given_id_of(text)) from None
     metas = ([("pos_doc", raw.pos_doc)] if raw.pos_doc else []) + [
         (f"{field}.{i}", d) for field in ("pos_docs", "neg_docs") for i, d in enumerate(getattr(raw, field) or [])]
     for loc, doc in metas:
         bad = doc.meta and _non_finite(doc.meta, f"{loc}.meta")
         if bad:
             raise RejectedLine(f"non-finite number (NaN, Infinity or out of range like 1e999) at '{bad}': "
-                               "not valid JSON")
+                               "not valid JSON", norm_text(raw.id))
     if isinstance(raw.query, str):
         query = {"text": norm_text(raw.query), "image": None}
     else:
@@ -173,7 +229,7 @@ def parse_record(text: str, max_text_chars: int = MAX_TEXT_CHARS) -> tuple[dict[
     locs += [f"neg_docs.{i}" for i in range(len(negatives))]
     too_long = _too_long(query, list(zip(locs, positives + negatives)), max_text_chars)
     if too_long:
-        raise RejectedLine(too_long)
+        raise RejectedLine(too_long, norm_text(raw.id))
     row = {
         "query": query,
         "positives": positives,
@@ -418,8 +474,7 @@ def parse_chunk(args: tuple) -> dict[str, Any]:
                     raise RejectedLine(f"invalid UTF-8 at byte {error.start}{_latin1_hint(raw)}") from None
                 row, content, given_id = parse_record(text, max_text_chars)
             except RejectedLine as reason:
-                rejected.append({"file": file, "line": number, "reason": str(reason),
-                                 "raw": raw.decode("utf-8", errors="replace")[:max_raw_chars]})
+                rejected.append(rejected_row(file, number, str(reason), reason.given_id, raw, max_raw_chars))
                 continue
             row["record_id"] = given_id or "r" + content[:16]
             rows.append(row)
@@ -431,6 +486,16 @@ def parse_chunk(args: tuple) -> dict[str, Any]:
         batches.append(pa.RecordBatch.from_pylist(rows, schema=MODEL_INPUT_SCHEMA))
     table = pa.Table.from_batches(batches, schema=MODEL_INPUT_SCHEMA)
     return {"file": file, "table": table, "keys": keys, "rejected": rejected, "n_lines": number}
+
+
+def rejected_row(file: str, line: int, reason: str, given_id: str | None, raw: bytes, max_raw_chars: int
+                 ) -> dict[str, Any]:
+    """A row of ``rejected_lines``: where the line is (file, 1-based line number), why, its ``id`` when it was
+    parsed far enough to have one, its text cut to ``max_raw_chars`` characters and its whole length in
+    characters (``raw_chars``), so a long line can be found again by id or number."""
+    text = raw.decode("utf-8", errors="replace")
+    return {"file": file, "line": line, "id": given_id, "reason": reason, "raw": text[:max_raw_chars],
+            "raw_chars": len(text)}
 
 
 def _latin1_hint(raw: bytes) -> str:

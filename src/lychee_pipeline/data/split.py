@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lychee_pipeline.data.params import SplitParams
+from lychee_pipeline.runtime.errors import InvalidParameter
 from lychee_pipeline.schema import MODEL_INPUT_SCHEMA, SPLITS
 
 logger = logging.getLogger(__name__)
@@ -44,10 +45,12 @@ def split_records(normalized_records: pa.Table, split: SplitParams) -> tuple[pa.
     """
     ratios = {name: float(getattr(split.ratios, name)) for name in SPLITS}
     if any(r < 0 for r in ratios.values()) or abs(sum(ratios.values()) - 1.0) > 1e-6:
-        raise ValueError(f"split.ratios must be non-negative and sum to 1, got {ratios}")
+        raise InvalidParameter(f"invalid parameter data_processing.split.ratios: must be non-negative and sum to 1, "
+                               f"got {ratios}")
     method = split.method
     if method not in ("hash", "ordered"):
-        raise ValueError(f"split.method must be 'hash' or 'ordered', got {method!r}")
+        raise InvalidParameter(f"invalid parameter data_processing.split.method: must be 'hash' or 'ordered', "
+                               f"got {method!r}")
     seed = split.seed
     keys = query_keys(normalized_records)
     pinned = normalized_records.column("split").to_pylist()

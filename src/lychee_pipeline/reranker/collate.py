@@ -325,6 +325,13 @@ def _content(doc: Any) -> tuple[str | None, str | None]:
     return item["text"], item["image"]
 
 
+def _draw_keys(doc: Any) -> tuple[tuple[str | None, str | None], str | None]:
+    """How the draw tells documents apart: (content (text, image), doc_id as text or None). Two documents are the
+    same when either is equal."""
+    doc_id = _get(doc, "doc_id")
+    return _content(doc), None if doc_id is None else str(doc_id)
+
+
 def _fill_negatives(
     record_id: str,
     positives: list[Any],
@@ -335,35 +342,81 @@ def _fill_negatives(
 ) -> list[dict[str, Any]]:
     """``count`` random documents of other records of ``pool`` (their positives or negatives), marked
     ``hard=False``: never one of this record's positives (same ``doc_id`` or same text and image), never a
-    document already in the group (same ``doc_id`` or content). Raises :class:`ShortGroupError` when the pool
+    document already in the group (same ``doc_id`` or content). Random picks first; if they run out of tries
+    (the usable documents are rare in a large pool), every candidate in a seeded order, so a record that
+    :func:`drawable_negative_counts` says can be filled is filled. Raises :class:`ShortGroupError` when the pool
     has too few such documents."""
     banned_ids = {str(_get(d, "doc_id")) for d in [*positives, *taken] if _get(d, "doc_id") is not None}
     banned = {_content(p) for p in positives} | {_content(n) for n in taken}
     chosen: list[dict[str, Any]] = []
+
+    def take(doc: Any) -> None:
+        key, doc_id = _draw_keys(doc)
+        if key == (None, None) or key in banned or (doc_id is not None and doc_id in banned_ids):
+            return
+        banned.add(key)
+        if doc_id is not None:
+            banned_ids.add(doc_id)
+        chosen.append({"doc_id": _get(doc, "doc_id"), "text": key[0], "image": key[1], "hard": False})
+
     tries, max_tries = 0, 64 * count + 256
-    while len(chosen) < count:
+    while len(chosen) < count and tries < max_tries and len(pool) >= 2:
         tries += 1
-        if tries > max_tries or len(pool) < 2:
-            raise ShortGroupError(
-                f"record {record_id}: could not draw {count} random negatives from the other {len(pool) - 1} "
-                f"training records (too few distinct documents that are not its positives); add negatives or "
-                f"records, or lower training.group_size"
-            )
         other = pool[rng.randrange(len(pool))]
         if str(_get(other, "record_id")) == record_id:
             continue
         docs = _as_list(_get(other, "positives")) + _as_list(_get(other, "negatives"))
-        if not docs:
-            continue
-        doc = docs[rng.randrange(len(docs))]
-        key, doc_id = _content(doc), _get(doc, "doc_id")
-        if key == (None, None) or key in banned or (doc_id is not None and str(doc_id) in banned_ids):
-            continue
-        banned.add(key)
-        if doc_id is not None:
-            banned_ids.add(str(doc_id))
-        chosen.append({"doc_id": _get(doc, "doc_id"), "text": key[0], "image": key[1], "hard": False})
+        if docs:
+            take(docs[rng.randrange(len(docs))])
+    if len(chosen) < count:  # the random tries ran out: every candidate, in an order drawn from the same stream
+        candidates = [doc for other in pool if str(_get(other, "record_id")) != record_id
+                      for doc in _as_list(_get(other, "positives")) + _as_list(_get(other, "negatives"))]
+        rng.shuffle(candidates)
+        for doc in candidates:
+            if len(chosen) == count:
+                break
+            take(doc)
+    if len(chosen) < count:
+        raise ShortGroupError(
+            f"record {record_id}: could not draw {count} random negatives from the other {len(pool) - 1} "
+            f"training records (too few distinct documents that are not its positives); add negatives or "
+            f"records, or lower training.group_size"
+        )
     return chosen
+
+
+def drawable_negative_counts(pool: Sequence[Mapping[str, Any]]) -> list[int]:
+    """For each row of ``pool`` (the training table's rows), how many documents :func:`_fill_negatives` can
+    always draw for it: the distinct documents of the other rows that are neither one of its own positives nor
+    one of its own negatives, compared as the draw compares them (same ``doc_id``, or same text and image).
+
+    Documents linked by an equal ``doc_id`` or an equal content count as one (the draw is sure to get one of
+    each such class; with ids reused for different contents it may get more): a row can fill its group when
+    ``len(negatives) + count >= group_size - 1``. Linear in the number of documents.
+    """
+    parent: dict[Any, Any] = {}
+
+    def find(node: Any) -> Any:
+        root = node
+        while parent.setdefault(root, root) != root:
+            root = parent[root]
+        while parent[node] != root:  # path compression
+            parent[node], node = root, parent[node]
+        return root
+
+    rows = []
+    for row in pool:
+        nodes = []
+        for doc in _as_list(_get(row, "positives")) + _as_list(_get(row, "negatives")):
+            key, doc_id = _draw_keys(doc)
+            ends = [("content", key)] if key != (None, None) else []
+            ends += [("id", doc_id)] if doc_id is not None else []
+            for end in ends[1:]:
+                parent[find(end)] = find(ends[0])
+            nodes.append((ends[0] if ends else None, key != (None, None)))
+        rows.append(nodes)
+    drawable = {find(node) for nodes in rows for node, usable in nodes if usable}  # classes with a usable doc
+    return [len(drawable) - len({find(node) for node, _ in nodes if node is not None} & drawable) for nodes in rows]
 
 
 def sample_group(

@@ -89,9 +89,13 @@ class StageProgress:
     """Shows one stage's progress; `update()` as often as convenient, `close()` always (a `finally`)."""
 
     def __init__(self, stage: str, terminal: bool | None = None, every_percent: float | None = None,
-                 every_s: float | None = None):
+                 every_s: float | None = None, started_at: float | None = None):
+        """``started_at``: the ``time.monotonic()`` at which the work began from 0 done (work counted in this
+        process): the rate counts from there. None (a stage's ranks, a resumed stage that starts past 0): from
+        the first look at the ranks' records."""
         mode = os.environ.get("LYCHEE_PROGRESS", "auto")
         self.stage = stage
+        self.started_at = started_at
         self.enabled = mode != "off"
         self.terminal = (on_a_terminal() if terminal is None else terminal) and mode != "lines"
         self.every_percent = every_percent or _env_float("LYCHEE_PROGRESS_EVERY_PERCENT", DEFAULT_EVERY_PERCENT)
@@ -114,7 +118,8 @@ class StageProgress:
         summary = summarize(beats)
         for task, (done, total, unit) in summary.items():
             if task not in self.tasks:
-                self.tasks[task] = TaskProgress(self._label(task), unit, total, done, done, now)
+                first_done, first_seen = (done, now) if self.started_at is None else (0, self.started_at)
+                self.tasks[task] = TaskProgress(self._label(task), unit, total, done, first_done, first_seen)
             # never backwards: a scoring rank's last records (past its work) say step 0
             self.tasks[task].done, self.tasks[task].total = max(self.tasks[task].done, done), total
         # The ranks take their tasks one after another, between barriers: a task that a newer one followed is
@@ -203,10 +208,12 @@ class StageProgress:
 class CountedProgress:
     """Progress of work counted in this process (images checked, records mined): the same bar, or plain lines in
     a file, as a stage's, fed with counts instead of the ranks' records. ``update(n)`` adds n; use it as a
-    context manager (or ``close()`` it in a ``finally``). ``enabled`` False shows nothing."""
+    context manager (or ``close()`` it in a ``finally``). ``enabled`` False shows nothing. The rate counts from
+    the moment it is made (work handed out in chunks, all of a chunk's results arriving at once, would otherwise
+    count from the first result seen)."""
 
     def __init__(self, label: str, total: int, unit: str, enabled: bool = True):
-        self.view = StageProgress(label) if enabled and total else None
+        self.view = StageProgress(label, started_at=time.monotonic()) if enabled and total else None
         self.done, self.total, self.unit = 0, total, unit
         self._shown_at = 0.0
 

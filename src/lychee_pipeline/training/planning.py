@@ -25,7 +25,7 @@ from lychee_pipeline.tracking import check_stage_tracking
 from lychee_pipeline.training import checkpoints
 from lychee_pipeline.training.config import StageParams, TrainingParams
 from lychee_pipeline.training.stage_launch import run_stage
-from lychee_pipeline.runtime.errors import validated
+from lychee_pipeline.runtime.errors import InvalidParameter, UnreadableData, validated
 from lychee_pipeline.runtime.launcher import check_device_count, resolve_device
 from lychee_pipeline.runtime.processes import check_stage_lock
 from lychee_pipeline.training.stage import (
@@ -67,17 +67,17 @@ def check_model_source(name_or_path: str) -> None:
         from lychee_pipeline.reranker.tiny import TINY_MODELS
 
         if name_or_path not in TINY_MODELS:
-            raise ValueError(f"invalid parameter model.name_or_path: unknown built-in model {name_or_path!r} "
-                             f"(known: {', '.join(TINY_MODELS)})")
+            raise InvalidParameter(f"invalid parameter model.name_or_path: unknown built-in model {name_or_path!r} "
+                                   f"(known: {', '.join(TINY_MODELS)})")
         return
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return
     if path.exists():
-        raise ValueError(f"invalid parameter model.name_or_path: {name_or_path!r} is a file, not a model folder")
+        raise InvalidParameter(f"invalid parameter model.name_or_path: {name_or_path!r} is a file, not a model folder")
     if not _HUB_ID.match(name_or_path) or name_or_path.startswith((".", "/", "~")):
-        raise ValueError(f"invalid parameter model.name_or_path: no such folder {name_or_path!r} "
-                         "(and not a hub id of the form org/name)")
+        raise InvalidParameter(f"invalid parameter model.name_or_path: no such folder {name_or_path!r} "
+                               "(and not a hub id of the form org/name)")
 
 
 def check_strategy(strategy: str, device_type: str) -> None:
@@ -88,17 +88,18 @@ def check_strategy(strategy: str, device_type: str) -> None:
     be ignored without a word. DeepSpeed is not installed here and its ZeRO needs CUDA GPUs.
     """
     if strategy == "fsdp2" and device_type != "cuda":
-        raise ValueError("invalid parameter training.launch.strategy: fsdp2 runs on CUDA GPUs only (Accelerate "
-                         "sets up FSDP for GPUs; on CPU it would silently train plain DDP); on CPU use ddp")
+        raise InvalidParameter("invalid parameter training.launch.strategy: fsdp2 runs on CUDA GPUs only (Accelerate "
+                               "sets up FSDP for GPUs; on CPU it would silently train plain DDP); on CPU use ddp")
     if strategy in ("zero2", "zero3"):
         import importlib.util
 
         if importlib.util.find_spec("deepspeed") is None:
-            raise ValueError(f"invalid parameter training.launch.strategy: {strategy} needs DeepSpeed, which is not "
-                             "installed (pip install deepspeed, on a machine with CUDA GPUs); use ddp or fsdp2")
+            raise InvalidParameter(f"invalid parameter training.launch.strategy: {strategy} needs DeepSpeed, which is "
+                                   "not installed (pip install deepspeed, on a machine with CUDA GPUs); use ddp or "
+                                   "fsdp2")
         if device_type != "cuda":
-            raise ValueError(f"invalid parameter training.launch.strategy: {strategy} (DeepSpeed ZeRO) runs on CUDA "
-                             "GPUs only here; on CPU use ddp or fsdp2")
+            raise InvalidParameter(f"invalid parameter training.launch.strategy: {strategy} (DeepSpeed ZeRO) runs on "
+                                   "CUDA GPUs only here; on CPU use ddp or fsdp2")
 
 
 def rung_devices() -> list[int]:
@@ -161,30 +162,30 @@ def plan_training(
     is one too (`invalid parameter model.lora_rank: Unexpected keyword argument (got 8)`).
     """
     if model.get("trust_remote_code"):
-        raise ValueError("invalid parameter model.trust_remote_code: remote code is never run "
-                         "(Qwen2.5-VL is a native transformers model); set it to false")
+        raise InvalidParameter("invalid parameter model.trust_remote_code: remote code is never run "
+                               "(Qwen2.5-VL is a native transformers model); set it to false")
     model_config = validated(ModelConfig, "model", model)
     training_params = validated(TrainingParams, "training", {**training, **(overrides or {})})
     stage_params = validated(StageParams, "stages", stages)
     check_model_source(model_config.name_or_path)
     launch = training_params.launch
     if launch.machine_rank >= launch.num_machines:
-        raise ValueError(f"invalid parameter training.launch.machine_rank: {launch.machine_rank} must be below "
-                         f"training.launch.num_machines {launch.num_machines}")
+        raise InvalidParameter(f"invalid parameter training.launch.machine_rank: {launch.machine_rank} must be below "
+                               f"training.launch.num_machines {launch.num_machines}")
     if launch.num_machines > 1 and not launch.main_process_port:
-        raise ValueError("invalid parameter training.launch.main_process_port: a multi-node run needs the same "
-                         "fixed port on every machine (null picks a free one on each)")
+        raise InvalidParameter("invalid parameter training.launch.main_process_port: a multi-node run needs the same "
+                               "fixed port on every machine (null picks a free one on each)")
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
-        raise ValueError(f"parameter gpus must be a positive integer, got {gpus!r}")
+        raise InvalidParameter(f"parameter gpus must be a positive integer, got {gpus!r}")
     if gpus > MAX_GPUS:
-        raise ValueError(f"parameter gpus={gpus} needs more check stages than the staged pipeline has rungs "
-                         f"({CHECK_RUNGS}, so gpus <= {MAX_GPUS}); raise training.planning.CHECK_RUNGS")
+        raise InvalidParameter(f"parameter gpus={gpus} needs more check stages than the staged pipeline has rungs "
+                               f"({CHECK_RUNGS}, so gpus <= {MAX_GPUS}); raise training.planning.CHECK_RUNGS")
     device_type = resolve_device(device)
     check_device_count(gpus, device_type)
     if device_type == "cpu":
         log.info("no CUDA device in use: gpus=%d runs as %d CPU processes (gloo)", gpus, gpus)
     if model_config.finetune == "qlora" and device_type != "cuda":
-        raise ValueError("model.finetune=qlora needs a CUDA GPU (bitsandbytes 4-bit); use lora or full on CPU")
+        raise InvalidParameter("model.finetune=qlora needs a CUDA GPU (bitsandbytes 4-bit); use lora or full on CPU")
     check_strategy(launch.strategy, device_type)
     ladder = stage_devices(gpus)
     run_dir = Path(run["output_root"]) / run["name"]
@@ -212,12 +213,19 @@ def short_group_counts(records: pa.Table, group_size: int) -> dict[str, int]:
     }
 
 
-def distinct_documents(records: pa.Table) -> int:
-    """Distinct documents (by doc_id) among the records' positives and negatives."""
-    import pyarrow.compute as pc
+def unfillable_groups(records: pa.Table, group_size: int) -> dict[str, Any]:
+    """The records whose group of ``group_size`` the negative draw (``training.negative_fill: fill_random``)
+    cannot fill: their own negatives plus what the draw can use (`collate.drawable_negative_counts`: the
+    distinct documents of the other records, leaving out any equal to one of their own positives or negatives)
+    fall short of ``group_size - 1``. Also the largest group_size every record can fill (0 when none)."""
+    from lychee_pipeline.reranker.collate import drawable_negative_counts
 
-    ids = [pc.struct_field(pc.list_flatten(records.column(c)), "doc_id") for c in ("positives", "negatives")]
-    return len(pc.unique(pa.chunked_array([chunk for col in ids for chunk in col.chunks], pa.string())))
+    rows = records.select(["record_id", "positives", "negatives"]).to_pylist()
+    counts = [(str(row["record_id"]), len(row["negatives"] or []), drawable)
+              for row, drawable in zip(rows, drawable_negative_counts(rows))]
+    short = [(record, own, drawable) for record, own, drawable in counts if own + drawable < group_size - 1]
+    largest = min((own + drawable + 1 for _, own, drawable in counts), default=0)  # 1 positive + the negatives
+    return {"records": len(rows), "short": short, "largest_group_size": largest if largest >= 2 else 0}
 
 
 def export_training_table(train_records: pa.Table, plan: TrainingPlan) -> str:
@@ -228,7 +236,7 @@ def export_training_table(train_records: pa.Table, plan: TrainingPlan) -> str:
     from other records' documents at batch time, and the number of filled slots per epoch is logged.
     """
     if train_records.num_rows == 0:  # before a launch, whose ranks would fail on an empty table far from the cause
-        raise ValueError(
+        raise UnreadableData(
             "the training split has no records: the data layer refused, quarantined or split away every record; the "
             "reasons are in data/03_primary/quarantined_records.parquet and data/02_intermediate/rejected_lines.jsonl"
             " (a wrong data.image_roots quarantines every record with an image as 'image not found')")
@@ -239,17 +247,24 @@ def export_training_table(train_records: pa.Table, plan: TrainingPlan) -> str:
         where = (f"{short['short_records']} of {short['records']} training records have fewer than "
                  f"{group_size - 1} negatives (fewest: {short['fewest_negatives']})")
         if policy == "refuse":
-            raise ValueError(
+            raise InvalidParameter(
                 f"invalid parameters training.group_size={group_size} with training.negative_fill=refuse: {where}; "
                 f"set data_processing.normalization.min_negatives to at least {group_size - 1} (short records are "
                 "quarantined), lower training.group_size, or use training.negative_fill=fill_random"
             )
-        distinct = distinct_documents(train_records)
-        if distinct < group_size:
-            raise ValueError(
-                f"invalid parameters training.group_size={group_size} with training.negative_fill=fill_random: "
-                f"{where}, and the training split has only {distinct} distinct documents to draw from; lower "
-                "training.group_size or raise data_processing.normalization.min_negatives"
+        unfillable = unfillable_groups(train_records, group_size)
+        if unfillable["short"]:
+            record, own, drawable = unfillable["short"][0]
+            largest = unfillable["largest_group_size"]
+            fits = (f"training.group_size is at most {largest} for this data" if largest
+                    else "no training.group_size fits this data")
+            raise InvalidParameter(
+                f"invalid parameter training.group_size={group_size}: {len(unfillable['short'])} of "
+                f"{unfillable['records']} training records cannot fill a group with {group_size - 1} negatives "
+                f"(group_size - 1) from their own negatives and the documents of the other training records that "
+                f"are not one of their own positives or negatives (same doc_id, or same text and image), e.g. "
+                f"record {record}: {own} own + {drawable} to draw; {fits}: use a smaller training.group_size or "
+                "more data (records, or negatives per record)"
             )
         log.info("negative_fill=fill_random: %s; %d group slot(s) per epoch are filled with random negatives "
                  "from other records' documents (hard=false)", where, short["filled_slots_per_epoch"])

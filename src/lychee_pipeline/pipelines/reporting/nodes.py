@@ -78,18 +78,24 @@ def log_run_to_mlflow(
 
 def summarize_run(data_counts: dict[str, Any], stage_results: list[dict], evaluation_mlflow_metrics: dict[str, float],
                   mlflow_logging: dict[str, Any], registry_outcome: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One closing summary: records in and out, stages, MRR@10 base -> fine-tuned, where the report is, and
-    (in `full`) what the model registry did."""
+    """One closing summary: lines and records in and out, stages, MRR@10 base -> fine-tuned, where the report is,
+    and (in `full`) what the model registry did.
+
+    The counts are `data_counts`' own, under the names it gives them: ``lines_in`` lines read, of which
+    ``rejected`` and ``duplicates`` are left out, so ``records_in`` (the records ingested, ``data_counts``'
+    ``records_in`` and ``clean``) ``== lines_in - rejected - duplicates``; ``records_in == records_normalized +
+    quarantined``; ``records_normalized`` split into ``train_records``, ``val_records`` and ``test_records``."""
     results = as_stage_results(stage_results)
     mrr = {m: evaluation_mlflow_metrics.get(f"test.mrr_at_10.{m}") for m in ("base", "finetuned")}
     summary = {
-        "records_in": data_counts.get("lines_in"),
-        "records_clean": data_counts.get("clean"),
+        "lines_in": data_counts.get("lines_in"),
         "rejected": data_counts.get("rejected"),
         "duplicates": data_counts.get("duplicates"),
+        "records_in": data_counts.get("records_in", data_counts.get("clean")),
         "records_normalized": data_counts.get("normalized"),
         "quarantined": data_counts.get("quarantined"),
         "train_records": data_counts.get("train_size"),
+        "val_records": data_counts.get("val_size"),
         "test_records": data_counts.get("test_size"),
         "stages": [f"{r.stage}: {r.steps} steps, {r.pairs_per_s:.1f} pairs/s" for r in results],
         "mrr_at_10_base": mrr.get("base"),
@@ -106,10 +112,11 @@ def summarize_run(data_counts: dict[str, Any], stage_results: list[dict], evalua
         summary["registry_report"] = "data/08_reporting/registry_report.md"
         registry_text = f"; registry: {summary_line(registry_outcome)}"
     log.info(
-        "run summary: %s lines in -> %s clean (%s rejected, %s duplicate) -> %s normalized (%s quarantined); "
-        "stages: %s; MRR@10 base %s -> fine-tuned %s; report: %s%s",
-        summary["records_in"], summary["records_clean"], summary["rejected"], summary["duplicates"],
-        summary["records_normalized"], summary["quarantined"],
+        "run summary: %s lines in -> %s records (%s rejected, %s duplicate) -> %s normalized (%s quarantined) -> "
+        "train %s, val %s, test %s; stages: %s; MRR@10 base %s -> fine-tuned %s; report: %s%s",
+        summary["lines_in"], summary["records_in"], summary["rejected"], summary["duplicates"],
+        summary["records_normalized"], summary["quarantined"], summary["train_records"], summary["val_records"],
+        summary["test_records"],
         "; ".join(summary["stages"]), _fmt(summary["mrr_at_10_base"]), _fmt(summary["mrr_at_10_finetuned"]),
         summary["report"], registry_text,
     )
