@@ -172,11 +172,13 @@ SLOW_FIXTURES = {
     "crashed_then_resumed",       # two stage launches (tests/reliability/test_stage_faults.py)
     "champion_project",           # the registry node scoring in a project copy (tests/ship)
     "served_champion",            # `mlflow models serve` (tests/ship/test_serving.py)
+    "qwen3_champion_project",     # the registry node scoring a Qwen3-VL champion (tests/ship/test_qwen3_vl_ship.py)
 }
 PROCESS_STARTERS = {
     "run_training_stage", "run_stage_slot", "run_stage",  # an `accelerate launch` stage
     "launch_scoring", "launch",               # an `accelerate launch` of the sharded scoring (or any LaunchJob)
     "run_kedro", "kedro_run", "kedro",        # a Kedro project run (in process or through the CLI)
+    "served_model",                           # `mlflow models serve` (tests/ship/ship_support.py)
     "KedroSession",
     "NotebookClient",                         # a notebook kernel
     "executable",                             # sys.executable: a Python child process

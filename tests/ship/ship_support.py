@@ -118,3 +118,84 @@ def register_run(records: list[dict[str, Any]], new_model: str, base_model: str,
     return outcome, scores
 
 
+
+
+# ---------------------------------------------------------------------------------------------- serving
+
+#: a loaded CI machine; the measured startup is printed (docs/serving.md quotes it)
+SERVE_STARTUP_LIMIT_S = 180
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post_invocations(base: str, body: dict) -> tuple[int, dict]:
+    """POST `body` to the server's /invocations; (HTTP status, the JSON answer)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"{base}/invocations", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+@contextmanager
+def served_model(root: Path, tracking_uri: str, model_uri: str, log_path: Path):
+    """`mlflow models serve -m <model_uri> --env-manager local` started as a user starts it, from `root`, on a free
+    loopback port against `tracking_uri`; yields {"base", "startup_s", "pid"} once /ping answers, and stops the
+    server by its PID (its process group: the server and its uvicorn worker) at the end, whatever happened."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    import pytest
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_") and k != "LYCHEE_IMAGE_ROOTS"}
+    env.update(MLFLOW_TRACKING_URI=tracking_uri, KEDRO_DISABLE_TELEMETRY="1", MLFLOW_DISABLE_TELEMETRY="1",
+               DO_NOT_TRACK="1", OMP_NUM_THREADS="1",
+               # the server execs `uvicorn` from PATH: the environment's bin folder first, as when it is activated
+               PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    port = free_port()
+    with open(log_path, "w") as log:
+        started = time.monotonic()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri, "--env-manager", "local",
+             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+            cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/ping", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if proc.poll() is not None or time.monotonic() - started > SERVE_STARTUP_LIMIT_S:
+                pytest.fail(f"mlflow models serve did not come up:\n{log_path.read_text()[-4000:]}")
+            time.sleep(0.25)
+        startup = time.monotonic() - started
+        print(f"mlflow models serve ready after {startup:.1f} s")
+        yield {"base": base, "startup_s": startup, "pid": proc.pid}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        assert proc.poll() is not None

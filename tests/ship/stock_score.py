@@ -2,9 +2,10 @@
 
     python stock_score.py <exported folder> <pairs.json> <scores.json>
 
-What a runtime without lychee-pipeline does: the model class its config names (AutoModelForImageTextToText), the
-tokenizer and the image processor of the folder (AutoTokenizer, AutoImageProcessor: no torchvision here, so not
-AutoProcessor, whose Qwen2.5-VL video sub-processor needs it), the prompt rendered from reranker_scoring.json with
+What a runtime without lychee-pipeline does: the model class its config names (AutoModelForImageTextToText:
+Qwen2_5_VLForConditionalGeneration or Qwen3VLForConditionalGeneration), the tokenizer and the image processor of the
+folder (AutoTokenizer, AutoImageProcessor: no torchvision here, so not AutoProcessor, whose Qwen2.5-VL and Qwen3-VL
+video sub-processors need it), the prompt rendered from reranker_scoring.json with
 the folder's chat_template.jinja, image placeholders expanded as that file says, one plain forward per pair, and
 the yes/no rule. It never imports lychee_pipeline (checked at the end).
 """

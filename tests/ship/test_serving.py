@@ -8,33 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 
 import pytest
 
-STARTUP_LIMIT_S = 180  # a loaded CI machine; the measured startup is printed (docs/serving.md quotes it)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _post(base: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(f"{base}/invocations", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read() or b"{}")
+from ship_support import post_invocations as _post
+from ship_support import served_model
 
 
 def _golden_rows(project: dict) -> tuple[list[dict], list[float]]:
@@ -61,44 +39,9 @@ def _golden_rows(project: dict) -> tuple[list[dict], list[float]]:
 @pytest.fixture(scope="module")
 def served_champion(champion_project, tmp_path_factory):
     """One server for the module's tests."""
-    root = champion_project["root"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_") and k != "LYCHEE_IMAGE_ROOTS"}
-    env.update(MLFLOW_TRACKING_URI=champion_project["tracking_uri"], KEDRO_DISABLE_TELEMETRY="1",
-               MLFLOW_DISABLE_TELEMETRY="1", DO_NOT_TRACK="1", OMP_NUM_THREADS="1",
-               # the server execs `uvicorn` from PATH: the environment's bin folder first, as when it is activated
-               PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    with open(log_path, "w") as log:
-        started = time.monotonic()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "models", "serve", "-m", "models:/lychee-reranker@champion",
-             "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-            cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/ping", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if proc.poll() is not None or time.monotonic() - started > STARTUP_LIMIT_S:
-                pytest.fail(f"mlflow models serve did not come up:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.25)
-        startup = time.monotonic() - started
-        print(f"mlflow models serve ready after {startup:.1f} s")
-        yield {"base": base, "startup_s": startup, "pid": proc.pid}
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # the server and its uvicorn worker: one process group
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-        assert proc.poll() is not None
+    with served_model(champion_project["root"], champion_project["tracking_uri"], "models:/lychee-reranker@champion",
+                      tmp_path_factory.mktemp("serve") / "serve.log") as server:
+        yield server
 
 
 def test_served_champion_scores_equal_the_evaluation(champion_project, served_champion):
