@@ -89,6 +89,7 @@ def test_offline_kedro_viz_run_greets_with_none_as_the_readme_says(project_copy)
     an upgrade exists. Nothing of the project's: the README says so. (PyPI made unreachable through a proxy
     that refuses connections; when kedro-viz answers otherwise, the README's sentence must change.)"""
     import os
+    import random
     import signal
     import socket
     import subprocess
@@ -101,33 +102,49 @@ def test_offline_kedro_viz_run_greets_with_none_as_the_readme_says(project_copy)
     from user_tools_support import user_env
 
     def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+        # kedro-viz refuses a port above 49151 (the dynamic range), where the OS hands out port 0's
+        for port in random.sample(range(20000, 49152), 200):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+        raise AssertionError("no free port below 49152")
 
-    port, closed = free_port(), free_port()
+    closed = free_port()
     proxy = f"http://127.0.0.1:{closed}"
     env = user_env(HTTP_PROXY=proxy, HTTPS_PROXY=proxy, http_proxy=proxy, https_proxy=proxy, NO_PROXY="127.0.0.1",
                    no_proxy="127.0.0.1")
-    proc = subprocess.Popen([sys.executable, "-m", "kedro", "viz", "run", "--no-browser", "--host", "127.0.0.1",
-                             "--port", str(port)], cwd=project_copy, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline, version = time.monotonic() + 240, None
-        while version is None:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/version", timeout=5) as r:
-                    version = json.loads(r.read())
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "kedro viz run did not come up"
-                time.sleep(1)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server's own session, started above
+    log_path = project_copy / "viz.log"
+    version = None
+    for attempt in range(3):  # a free port can be taken by another process before the server binds it
+        port = free_port()
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "kedro", "viz", "run", "--no-browser", "--host",
+                                     "127.0.0.1", "--port", str(port)], cwd=project_copy, env=env,
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+            deadline = time.monotonic() + 240
+            while version is None and proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/version", timeout=5) as r:
+                        version = json.loads(r.read())
+                except OSError:
+                    time.sleep(1)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)  # the server's own session, started above
+                proc.wait(timeout=30)
+            except ProcessLookupError:
+                pass  # it had already ended, with its whole session
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        said = log_path.read_text(encoding="utf-8", errors="replace")
+        if version is not None or "in use" not in said.lower():
+            break
+    assert version is not None, f"kedro viz run did not come up (exit {proc.returncode}):\n{said[-4000:]}"
     assert version == {"installed": kedro_viz.__version__, "is_outdated": True, "latest": "None"}, version
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
     assert "Kedro-Viz None is here!" in readme
