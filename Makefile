@@ -9,7 +9,7 @@ export MLFLOW_DISABLE_TELEMETRY=1
 export DO_NOT_TRACK=1
 export TOKENIZERS_PARALLELISM=false
 
-.PHONY: install lock audit smoke full test test-fast viz mlflow-ui tracking-server benchmark-data clean
+.PHONY: install lock audit smoke full test test-fast test-durations viz mlflow-ui tracking-server benchmark-data clean
 
 install: $(VENV)/.installed
 
@@ -40,13 +40,22 @@ smoke: install
 full: install
 	$(BIN)/kedro run --pipelines full --params gpus=$${GPUS:-4}
 
+# Two workers (pytest-xdist): the suite waits on child processes and servers a good part of the time. Tests that
+# share a session fixture run on one worker; the longest go first (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # The inner loop: every test that starts no project run, stage, server or child process (tests/conftest.py says
 # which those are); under 2 minutes on a 2-core machine. `make test` (CI) runs everything.
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow"
+
+# Re-measure each test's seconds in one serial run (tests/durations.json orders the parallel run's work).
+test-durations: install
+	rm -f .test-durations.jsonl
+	LYCHEE_TEST_DURATIONS=.test-durations.jsonl $(BIN)/python -m pytest -p no:xdist
+	$(BIN)/python tests/write_durations.py .test-durations.jsonl && rm -f .test-durations.jsonl
 
 viz: install
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/kedro viz run --host 127.0.0.1

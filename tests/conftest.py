@@ -222,6 +222,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if is_slow(item):
             item.add_marker(pytest.mark.slow)
+    _group_shared_fixtures(items)
+    _longest_first(items)
     # A -m on the command line replaces pyproject's `-m 'not online'`: `pytest -m "not slow"` must still leave the
     # online tests out. They run only when the expression names them (`pytest -m online`, as `make audit` does).
     if "online" not in (config.option.markexpr or ""):
@@ -229,6 +231,74 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if online:
             config.hook.pytest_deselected(items=online)
             items[:] = [item for item in items if not item.get_closest_marker("online")]
+
+
+# --------------------------------------------------------------------------- parallel runs (pytest-xdist)
+# `make test` runs two workers with `--dist loadgroup`. A session- or module-scoped fixture of this suite (a smoke
+# run, a tracking server, a trained stage) is made once per worker, so every test that shares one, directly or
+# through another test sharing a second one, goes to the same worker: one `xdist_group` per connected set.
+
+
+def _shared_fixtures(item: pytest.Item) -> list[str]:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return []
+    shared = []
+    for name in info.names_closure:
+        defs = info.name2fixturedefs.get(name)
+        # a plugin's fixture (tmp_path_factory, ...) has no baseid; the suite's own carry their folder's
+        if defs and defs[-1].scope != "function" and defs[-1].baseid:
+            shared.append(f"{defs[-1].baseid}::{name}")
+    return shared
+
+
+def _group_shared_fixtures(items: list[pytest.Item]) -> None:
+    parent: dict[str, str] = {}
+
+    def root(key: str) -> str:
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    shared = {item.nodeid: _shared_fixtures(item) for item in items}
+    for names in shared.values():
+        for other in names[1:]:
+            parent[root(other)] = root(names[0])
+    for item in items:
+        if shared[item.nodeid]:
+            item.add_marker(pytest.mark.xdist_group(root(shared[item.nodeid][0])))
+
+
+# Work goes out longest first, so the last minutes are short tests on both workers rather than one long test on
+# one: each test's seconds from a serial run (tests/durations.json, `make test-durations` rewrites it); a test not
+# listed counts 5 s when slow, 0.1 s otherwise. Only the order depends on it, never a result.
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def _longest_first(items: list[pytest.Item]) -> None:
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+
+    def unit(item: pytest.Item) -> str:
+        group = item.get_closest_marker("xdist_group")
+        return group.args[0] if group else item.nodeid
+
+    cost: dict[str, float] = {}
+    for item in items:
+        default = 5.0 if item.get_closest_marker("slow") else 0.1
+        cost[unit(item)] = cost.get(unit(item), 0.0) + seconds.get(item.nodeid, default)
+    first = {}
+    for index, item in enumerate(items):
+        first.setdefault(unit(item), index)
+    order = {id(item): index for index, item in enumerate(items)}
+    items.sort(key=lambda item: (-cost[unit(item)], first[unit(item)], order[id(item)]))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With LYCHEE_TEST_DURATIONS=<file>, a serial run writes each test's seconds there (make test-durations)."""
+    out = os.environ.get("LYCHEE_TEST_DURATIONS")
+    if out:
+        with open(out, "a", encoding="utf-8") as f:
+            f.write(json.dumps([report.nodeid, report.duration]) + "\n")
 
 
 @pytest.fixture(autouse=True)

@@ -33,7 +33,16 @@ def run_kedro(root: Path, pipeline: str, params: dict | None = None) -> None:
         while mlflow.active_run() is not None:
             mlflow.end_run()
 
+    from mlflow.tracking._tracking_service import utils
+
+    from lychee_pipeline import tracking
+
     end_active_runs()
+    # A user's `kedro run` starts a fresh process: no tracking URI that an earlier test of this process left in
+    # MLflow or in MLFLOW_TRACKING_URI (it would be taken for the user's and the run would log to that store)
+    saved = utils._tracking_uri, os.environ.get(tracking.ENV_TRACKING_URI), set(tracking._user_uris)
+    mlflow.set_tracking_uri(None)  # also unsets MLFLOW_TRACKING_URI
+    tracking._user_uris.clear()
     previous = os.getcwd()
     os.chdir(root)
     try:
@@ -43,6 +52,13 @@ def run_kedro(root: Path, pipeline: str, params: dict | None = None) -> None:
     finally:
         os.chdir(previous)
         end_active_runs()
+        mlflow.set_tracking_uri(saved[0])
+        if saved[1] is None:
+            os.environ.pop(tracking.ENV_TRACKING_URI, None)
+        else:
+            os.environ[tracking.ENV_TRACKING_URI] = saved[1]
+        tracking._user_uris.clear()
+        tracking._user_uris.update(saved[2])
 
 
 def make_cli_project(root: Path) -> Path:

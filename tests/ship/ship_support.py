@@ -28,7 +28,11 @@ def mlflow_store(root: Path):
     """The global MLflow tracking URI and the working folder pointed at `root` (store and artifacts), restored after."""
     import mlflow
 
-    previous_uri, previous_cwd = mlflow.get_tracking_uri(), os.getcwd()
+    from mlflow.tracking._tracking_service import utils
+
+    # MLflow's own value (None when unset), not get_tracking_uri()'s resolved default: set back, that default
+    # would land in MLFLOW_TRACKING_URI and every later in-process run of this worker would log to it
+    previous_uri, previous_cwd = utils._tracking_uri, os.getcwd()
     os.chdir(root)
     mlflow.set_tracking_uri(f"sqlite:///{root / 'mlflow.db'}")
     try:

@@ -83,7 +83,9 @@ def tracking_store(data_project, monkeypatch):
     db = project / "mlflow.db"
     assert db.is_file(), "kedro-mlflow did not create mlflow.db in the project root"
     uri = f"sqlite:///{db}"
-    previous = mlflow.get_tracking_uri()
+    from mlflow.tracking._tracking_service import utils
+
+    previous = utils._tracking_uri  # None when unset (get_tracking_uri() would give the resolved default)
     monkeypatch.chdir(project)  # artifacts of new runs go to <project>/mlruns, as in a user's run
     mlflow.set_tracking_uri(uri)
     try:

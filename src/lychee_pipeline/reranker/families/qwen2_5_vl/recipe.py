@@ -170,38 +170,45 @@ SPECIAL_TOKENS = [
     "<|video_pad|>",
 ]
 
-# A chat template that renders messages of text and images exactly as Qwen2.5-VL-Instruct's does
-# (system message default, image placeholders wrapped in vision start/end, generation prompt).
-CHAT_TEMPLATE = (
-    "{% set ns = namespace(images=0, videos=0) %}"
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}"
-    "{{ message['content'] }}<|im_end|>\n"
-    "{% else %}"
-    "{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
-    "{% set ns.images = ns.images + 1 %}"
-    "{% if add_vision_id %}Picture {{ ns.images }}: {% endif %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'video' or 'video' in part %}"
-    "{% set ns.videos = ns.videos + 1 %}"
-    "{% if add_vision_id %}Video {{ ns.videos }}: {% endif %}"
-    "<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in part %}"
-    "{{ part['text'] }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "<|im_end|>\n"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}"
-    "<|im_start|>assistant\n"
-    "{% endif %}"
-)
+def qwen_vl_chat_template(default_system: str | None) -> str:
+    """A chat template that renders text and image messages as Qwen-VL Instruct models do: image placeholders
+    wrapped in vision start/end, the generation prompt, and ``default_system`` as the system message when the
+    conversation has none (Qwen2.5-VL adds one, Qwen3-VL none)."""
+    system = ("{% if loop.first and message['role'] != 'system' %}"
+              f"<|im_start|>system\n{default_system}<|im_end|>\n"
+              "{% endif %}") if default_system else ""
+    return (
+        "{% set ns = namespace(images=0, videos=0) %}"
+        "{% for message in messages %}"
+        f"{system}"
+        "<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}"
+        "{{ message['content'] }}<|im_end|>\n"
+        "{% else %}"
+        "{% for part in message['content'] %}"
+        "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+        "{% set ns.images = ns.images + 1 %}"
+        "{% if add_vision_id %}Picture {{ ns.images }}: {% endif %}"
+        "<|vision_start|><|image_pad|><|vision_end|>"
+        "{% elif part['type'] == 'video' or 'video' in part %}"
+        "{% set ns.videos = ns.videos + 1 %}"
+        "{% if add_vision_id %}Video {{ ns.videos }}: {% endif %}"
+        "<|vision_start|><|video_pad|><|vision_end|>"
+        "{% elif 'text' in part %}"
+        "{{ part['text'] }}"
+        "{% endif %}"
+        "{% endfor %}"
+        "<|im_end|>\n"
+        "{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}"
+        "<|im_start|>assistant\n"
+        "{% endif %}"
+    )
+
+
+# Qwen2.5-VL-Instruct's template: the default system message is "You are a helpful assistant."
+CHAT_TEMPLATE = qwen_vl_chat_template("You are a helpful assistant.")
 
 # Everything of this family that determines the tiny folder (reranker/tiny.py hashes it into its marker).
 TINY_RECIPE: dict[str, Any] = {

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from ..qwen2_5_vl.processor import image_processor_class
-from ..qwen2_5_vl.recipe import SPECIAL_TOKENS, TOKEN_IDS, TOKENS, build_tiny_tokenizer, token_ids_of
+from ..qwen2_5_vl.recipe import (SPECIAL_TOKENS, TOKEN_IDS, TOKENS, build_tiny_tokenizer, qwen_vl_chat_template,
+                                 token_ids_of)
 from .model import model_class
 from .processor import processor_shim_class, save_processor
 
@@ -109,35 +110,8 @@ def architecture_config(size: str, vocab_size: int | None = None, token_ids: dic
     )
 
 
-# A chat template that renders text and image messages as Qwen3-VL-Instruct's does: no default system message
-# (Qwen2.5-VL adds "You are a helpful assistant."), each image as vision start, image pad, vision end.
-CHAT_TEMPLATE = (
-    "{% set ns = namespace(images=0, videos=0) %}"
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}"
-    "{{ message['content'] }}<|im_end|>\n"
-    "{% else %}"
-    "{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
-    "{% set ns.images = ns.images + 1 %}"
-    "{% if add_vision_id %}Picture {{ ns.images }}: {% endif %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'video' or 'video' in part %}"
-    "{% set ns.videos = ns.videos + 1 %}"
-    "{% if add_vision_id %}Video {{ ns.videos }}: {% endif %}"
-    "<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in part %}"
-    "{{ part['text'] }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "<|im_end|>\n"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}"
-    "<|im_start|>assistant\n"
-    "{% endif %}"
-)
+# Qwen3-VL-Instruct's template has no default system message (Qwen2.5-VL adds "You are a helpful assistant.")
+CHAT_TEMPLATE = qwen_vl_chat_template(None)
 
 # Qwen3-VL-Reranker's pixel budget: 4 to 1,800 visual tokens of 32 x 32 pixels
 MIN_PIXELS = 4 * 32 * 32
