@@ -289,8 +289,8 @@ def _longest_first(items: list[pytest.Item]) -> None:
     first = {}
     for index, item in enumerate(items):
         first.setdefault(unit(item), index)
-    order = {id(item): index for index, item in enumerate(items)}
-    items.sort(key=lambda item: (-cost[unit(item)], first[unit(item)], order[id(item)]))
+    # a stable sort: within a unit, the tests keep their file order
+    items.sort(key=lambda item: (-cost[unit(item)], first[unit(item)]))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

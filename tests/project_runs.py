@@ -6,6 +6,8 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,6 +25,33 @@ def make_project_copy(root: Path) -> Path:
     return root
 
 
+@contextmanager
+def mlflow_tracking_restored(fresh: bool = False) -> Iterator[None]:
+    """This process's MLflow tracking state as it was, after the block: the URI MLflow was told (None when unset;
+    `mlflow.get_tracking_uri()` would give the resolved default, and setting that back writes it into
+    MLFLOW_TRACKING_URI for every later test of the worker), the variable itself, and the URIs the project took for
+    the user's. ``fresh``: the block starts from a new process's state."""
+    import mlflow
+
+    from lychee_pipeline import tracking
+
+    saved = tracking._uri_set_by_mlflow(), os.environ.get(tracking.ENV_TRACKING_URI), set(tracking._user_uris)
+    if fresh:
+        mlflow.set_tracking_uri(None)
+        os.environ.pop(tracking.ENV_TRACKING_URI, None)  # MLflow unsets it only when its own URI was set
+        tracking._user_uris.clear()
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(saved[0])
+        if saved[1] is None:
+            os.environ.pop(tracking.ENV_TRACKING_URI, None)
+        else:
+            os.environ[tracking.ENV_TRACKING_URI] = saved[1]
+        tracking._user_uris.clear()
+        tracking._user_uris.update(saved[2])
+
+
 def run_kedro(root: Path, pipeline: str, params: dict | None = None) -> None:
     """`kedro run --pipeline <name>` through KedroSession, from the project folder."""
     import mlflow
@@ -33,32 +62,19 @@ def run_kedro(root: Path, pipeline: str, params: dict | None = None) -> None:
         while mlflow.active_run() is not None:
             mlflow.end_run()
 
-    from mlflow.tracking._tracking_service import utils
-
-    from lychee_pipeline import tracking
-
     end_active_runs()
+    previous = os.getcwd()
     # A user's `kedro run` starts a fresh process: no tracking URI that an earlier test of this process left in
     # MLflow or in MLFLOW_TRACKING_URI (it would be taken for the user's and the run would log to that store)
-    saved = utils._tracking_uri, os.environ.get(tracking.ENV_TRACKING_URI), set(tracking._user_uris)
-    mlflow.set_tracking_uri(None)  # also unsets MLFLOW_TRACKING_URI
-    tracking._user_uris.clear()
-    previous = os.getcwd()
-    os.chdir(root)
-    try:
-        bootstrap_project(root)
-        with KedroSession.create(project_path=root, runtime_params=params or {}) as session:
-            session.run(pipeline_name=pipeline)
-    finally:
-        os.chdir(previous)
-        end_active_runs()
-        mlflow.set_tracking_uri(saved[0])
-        if saved[1] is None:
-            os.environ.pop(tracking.ENV_TRACKING_URI, None)
-        else:
-            os.environ[tracking.ENV_TRACKING_URI] = saved[1]
-        tracking._user_uris.clear()
-        tracking._user_uris.update(saved[2])
+    with mlflow_tracking_restored(fresh=True):
+        os.chdir(root)
+        try:
+            bootstrap_project(root)
+            with KedroSession.create(project_path=root, runtime_params=params or {}) as session:
+                session.run(pipeline_name=pipeline)
+        finally:
+            os.chdir(previous)
+            end_active_runs()
 
 
 def make_cli_project(root: Path) -> Path:

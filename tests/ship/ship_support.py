@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from project_runs import mlflow_tracking_restored
 from stage_results import make_result
 
 N_QUERIES = 24
@@ -28,21 +29,17 @@ def mlflow_store(root: Path):
     """The global MLflow tracking URI and the working folder pointed at `root` (store and artifacts), restored after."""
     import mlflow
 
-    from mlflow.tracking._tracking_service import utils
-
-    # MLflow's own value (None when unset), not get_tracking_uri()'s resolved default: set back, that default
-    # would land in MLFLOW_TRACKING_URI and every later in-process run of this worker would log to it
-    previous_uri, previous_cwd = utils._tracking_uri, os.getcwd()
-    os.chdir(root)
-    mlflow.set_tracking_uri(f"sqlite:///{root / 'mlflow.db'}")
-    try:
-        mlflow.set_experiment("lychee_pipeline")
-        yield
-    finally:
-        while mlflow.active_run() is not None:
-            mlflow.end_run()
-        mlflow.set_tracking_uri(previous_uri)
-        os.chdir(previous_cwd)
+    previous_cwd = os.getcwd()
+    with mlflow_tracking_restored():
+        os.chdir(root)
+        mlflow.set_tracking_uri(f"sqlite:///{root / 'mlflow.db'}")
+        try:
+            mlflow.set_experiment("lychee_pipeline")
+            yield
+        finally:
+            while mlflow.active_run() is not None:
+                mlflow.end_run()
+            os.chdir(previous_cwd)
 
 
 def candidate_queries(images: Path) -> list[dict[str, Any]]:

@@ -116,34 +116,29 @@ def test_offline_kedro_viz_run_greets_with_none_as_the_readme_says(project_copy)
     proxy = f"http://127.0.0.1:{closed}"
     env = user_env(HTTP_PROXY=proxy, HTTPS_PROXY=proxy, http_proxy=proxy, https_proxy=proxy, NO_PROXY="127.0.0.1",
                    no_proxy="127.0.0.1")
-    log_path = project_copy / "viz.log"
-    version = None
-    for attempt in range(3):  # a free port can be taken by another process before the server binds it
-        port = free_port()
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "kedro", "viz", "run", "--no-browser", "--host",
-                                     "127.0.0.1", "--port", str(port)], cwd=project_copy, env=env,
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 240
-            while version is None and proc.poll() is None and time.monotonic() < deadline:
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/version", timeout=5) as r:
-                        version = json.loads(r.read())
-                except OSError:
-                    time.sleep(1)
-        finally:
+    log_path, port, version = project_copy / "viz.log", free_port(), None
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kedro", "viz", "run", "--no-browser", "--host", "127.0.0.1",
+                                 "--port", str(port)], cwd=project_copy, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while version is None and proc.poll() is None and time.monotonic() < deadline:
             try:
-                os.killpg(proc.pid, signal.SIGTERM)  # the server's own session, started above
-                proc.wait(timeout=30)
-            except ProcessLookupError:
-                pass  # it had already ended, with its whole session
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-        said = log_path.read_text(encoding="utf-8", errors="replace")
-        if version is not None or "in use" not in said.lower():
-            break
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/version", timeout=5) as r:
+                    version = json.loads(r.read())
+            except OSError:
+                time.sleep(1)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)  # the server's own session, started above
+            proc.wait(timeout=30)
+        except ProcessLookupError:
+            pass  # it had already ended, with its whole session
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    said = log_path.read_text(encoding="utf-8", errors="replace")
     assert version is not None, f"kedro viz run did not come up (exit {proc.returncode}):\n{said[-4000:]}"
     assert version == {"installed": kedro_viz.__version__, "is_outdated": True, "latest": "None"}, version
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")

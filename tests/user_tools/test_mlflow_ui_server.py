@@ -27,6 +27,7 @@ import pytest
 
 from lychee_pipeline.pipelines.reporting.nodes import log_run_to_mlflow
 from lychee_pipeline.tracking import ENV_EXPERIMENT, ENV_PARENT_RUN, StageTracker, flatten
+from project_runs import mlflow_tracking_restored
 from user_tools_support import user_env
 
 EXPERIMENT = "lychee_pipeline"
@@ -83,16 +84,14 @@ def tracking_store(data_project, monkeypatch):
     db = project / "mlflow.db"
     assert db.is_file(), "kedro-mlflow did not create mlflow.db in the project root"
     uri = f"sqlite:///{db}"
-    from mlflow.tracking._tracking_service import utils
-
-    previous = utils._tracking_uri  # None when unset (get_tracking_uri() would give the resolved default)
     monkeypatch.chdir(project)  # artifacts of new runs go to <project>/mlruns, as in a user's run
-    mlflow.set_tracking_uri(uri)
-    try:
+    # the runs below set MLFLOW_TRACKING_URI through monkeypatch, which puts back the value it first saw: the one
+    # from before this fixture, saved here, not the store's that MLflow writes in the block
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with mlflow_tracking_restored():
+        mlflow.set_tracking_uri(uri)
         counts = json.loads((project / "data" / "05_model_input" / "data_counts.json").read_text())
         runs = {steps: _log_smoke_like_run(steps, counts, monkeypatch, uri) for steps in (300, 100)}
-    finally:
-        mlflow.set_tracking_uri(previous)
     return {"project": project, "uri": uri, "runs": runs}
 
 
