@@ -196,7 +196,9 @@ def training_params(args, max_steps: int) -> dict:
 def model_spec(args, folder: Path) -> dict:
     ckpt = "auto" if args.checkpoint_layers == "auto" else True
     layers = None if args.checkpoint_layers == "auto" else int(args.checkpoint_layers)
-    return {"name_or_path": str(folder), "finetune": "lora", "lora": {"r": 16, "alpha": 32, "dropout": 0.05},
+    fused = {"auto": "auto", "true": True, "false": False}[args.lora_fused]
+    return {"name_or_path": str(folder), "finetune": "lora",
+            "lora": {"r": 16, "alpha": 32, "dropout": 0.05, "fused": fused},
             "activation_checkpointing": ckpt, "checkpoint_layers": layers, "attn_implementation": "sdpa",
             "fast_path": True, "pack_pairs": args.pack_pairs, "kernels": args.kernels,
             "compile_layers": args.compile_layers}
@@ -386,6 +388,8 @@ def argument_parser() -> argparse.ArgumentParser:
                         help="model.pack_pairs (the project's default: auto, packed where the family holds it)")
     parser.add_argument("--kernels", choices=("auto", "liger", "none"), default="auto",
                         help="model.kernels (the project's default: auto)")
+    parser.add_argument("--lora-fused", choices=("auto", "true", "false"), default="auto",
+                        help="model.lora.fused: the one-function LoRA branch (auto = on CUDA) or peft's forward")
     parser.add_argument("--compile-layers", action="store_true", help="model.compile_layers: torch.compile the layers")
     parser.add_argument("--max-pixels", type=int, default=None, help="default 448*448 (tiny 112*112)")
     parser.add_argument("--min-pixels", type=int, default=3136)

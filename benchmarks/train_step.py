@@ -25,11 +25,14 @@ Variants (one process, one model; ``--variants`` picks):
   ``+liger``   liger-kernel's fused RMSNorm / SwiGLU / rope (``model.kernels: liger``, reranker/kernels.py);
   ``+compile`` ``torch.compile`` of every decoder layer (``model.compile_layers``);
   ``+nodrop``  LoRA dropout off (``lora.dropout: 0``): the H100 profile put its mask and scale kernels at 4.2%;
-  ``+fp8``     FP8 matmuls on the frozen base projections (``model.fp8``, torchao; Hopper; one way: list last).
+  ``+fp8``     FP8 matmuls on the frozen base projections (``model.fp8``, torchao; Hopper; one way: list last);
+  ``+peftlora`` peft's own LoRA forward instead of the one-function branch (``lora.fused: false``,
+              reranker/lora_branch.py), to measure what the branch saves.
   After each variant its eval-mode yes-no scores on unseen groups are compared with the plain padded
   project step's at the same weights: max |diff|, rankings, flipped document pairs.
 
-Each step is the stage's (``training/step.py``): forward, loss, backward, gradient clipping, fused AdamW step
+Each step is the stage's (``training/step.py``) on a CUDA device under bf16 autocast, as ``accelerate`` runs a
+stage's model (the model's weights are bf16, its LoRA adapters fp32): forward, loss, backward, gradient clipping, fused AdamW step
 (a non-finite step skipped on the device), zero_grad. Warm-up, then the median
 of ``--steps`` steps with CUDA synchronisation. Prints pairs/s, tokens/s, peak GiB, MFU (4 x LM params
 x tokens + 2 x vision params x patches over the bf16 matmul rate measured in this run) and the ratio
@@ -57,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 from lychee_pipeline.reranker import kernels as fused_kernels  # noqa: E402
+from lychee_pipeline.reranker import lora_branch  # noqa: E402
 from lychee_pipeline.reranker import packing  # noqa: E402
 from lychee_pipeline.reranker.families import require_fast_path  # noqa: E402
 from lychee_pipeline.reranker.families.qwen2_5_vl.fast_vision import disable_fast_path  # noqa: E402
@@ -89,7 +93,7 @@ def build_reranker(tiny: bool, device: torch.device, dtype: torch.dtype) -> Lych
                       lora={"r": 16, "alpha": 32, "dropout": 0.05})
     config = common.build_config(tiny=tiny)
     model = common.build_model(config, device, dtype, attn_implementation=cfg.attn_implementation)
-    model = _apply_lora(model, cfg)
+    model = _apply_lora(model, cfg, device)
     _freeze_vision(model)
     reranker = LycheeReranker(model, processor=None, config=cfg, yes_id=common.YES_ID, no_id=common.NO_ID)
     reranker.train(True)
@@ -135,7 +139,7 @@ def project_logits(reranker: LycheeReranker, batch: dict) -> torch.Tensor:
 # variants
 
 
-LEVERS = ("pack", "liger", "compile", "nodrop", "fp8")
+LEVERS = ("pack", "liger", "compile", "nodrop", "fp8", "peftlora")
 
 
 def parse_variant(name: str, num_layers: int, auto_layers: dict | None = None) -> dict:
@@ -244,8 +248,17 @@ def configure(reranker: LycheeReranker, spec: dict) -> None:
     reranker.config.pack_pairs = bool(spec.get("pack"))
     set_liger(reranker, bool(spec.get("liger")))
     set_lora_dropout(reranker, not spec.get("nodrop"))
+    set_lora_branch(reranker, fused=not spec.get("peftlora"))
     set_fp8(reranker, bool(spec.get("fp8")))
     set_compile(reranker, bool(spec.get("compile")))
+
+
+def set_lora_branch(reranker: LycheeReranker, fused: bool) -> None:
+    """The one-function LoRA branch (the default, ``lora.fused``) or peft's own forward."""
+    if fused:
+        lora_branch.fuse_lora_branches(reranker.backbone)
+    else:
+        lora_branch.unfuse_lora_branches(reranker.backbone)
 
 
 _LORA_DROPOUT_P: dict[int, float] = {}
@@ -309,14 +322,20 @@ def make_step(reranker: LycheeReranker, spec: dict, groups: list, optimizer, tra
     """``step(i)`` on group ``i``: the stage's step (training/step.py) on one process; the naive variants swap in
     their full-logits forward and written-out loss, the rest of the step (clipping, fused AdamW with the
     non-finite skip on the device, zero_grad) is the stage's."""
+    autocast = torch.autocast(reranker.device.type, dtype=torch.bfloat16, enabled=reranker.device.type == "cuda")
     if spec["forward"] == "naive":
-        def forward(**inputs):
+        def model_forward(**inputs):
             return naive_logits(reranker, inputs)
 
         def compute_loss(logits, labels, group_weight, options):
             return naive_listwise(logits, options.group_size)
     else:
-        forward, compute_loss = reranker, get_loss("listwise")
+        model_forward, compute_loss = reranker, get_loss("listwise")
+
+    def forward(**inputs):  # bf16 autocast on CUDA, as the stage's prepared model runs
+        with autocast:
+            return model_forward(**inputs)
+
     batches = [MicroBatch.unweighted(batch) for batch in groups]
     train_step = TrainStep(OneProcess(reranker.device), forward, optimizer, None, trainable, compute_loss,
                            LossOptions(groups[0]["group_size"], temperature=1.0), max_grad_norm=1.0,

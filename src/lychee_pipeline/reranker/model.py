@@ -44,6 +44,9 @@ class LoraConfig:
     alpha: int = 32
     dropout: float = 0.05
     target_modules: str | list[str] = DEFAULT_LORA_TARGETS
+    # the branch as one autograd function in training (reranker/lora_branch.py: keeps no mask nor dropped copy
+    # of the input, draws the mask again in the backward); auto = on CUDA; False = peft's own forward
+    fused: bool | Literal["auto"] = "auto"
 
     __pydantic_config__ = {"extra": "forbid"}
 
@@ -364,7 +367,7 @@ class LycheeReranker(nn.Module):
 # loading
 
 
-def _apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
+def _apply_lora(model: nn.Module, cfg: ModelConfig, device: torch.device | None = None) -> nn.Module:
     from peft import LoraConfig as PeftLoraConfig, get_peft_model
 
     lora = PeftLoraConfig(
@@ -375,7 +378,16 @@ def _apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
         bias="none",
         task_type=None,
     )
-    return get_peft_model(model, lora)
+    model = get_peft_model(model, lora)
+    _fuse_lora(model, cfg, device)
+    return model
+
+
+def _fuse_lora(model: nn.Module, cfg: ModelConfig, device: torch.device | None) -> None:
+    from .lora_branch import fuse_lora_branches, wants_fused
+
+    if wants_fused(cfg.lora.fused, device):
+        log.info("lora.fused: the LoRA branch of %d layers runs as one autograd function", fuse_lora_branches(model))
 
 
 def _freeze_vision(model: nn.Module) -> None:
@@ -477,8 +489,10 @@ def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") 
         model = PeftModel.from_pretrained(model, cfg.adapter, is_trainable=cfg.finetune in ("lora", "qlora"))
         if cfg.finetune == "full":  # fine-tune the merged weights
             model = model.merge_and_unload()
+        else:
+            _fuse_lora(model, cfg, dev)
     elif cfg.finetune in ("lora", "qlora"):
-        model = _apply_lora(model, cfg)
+        model = _apply_lora(model, cfg, dev)
 
     if cfg.finetune == "frozen":
         for param in model.parameters():
