@@ -27,7 +27,7 @@ Variants (one process, one model; ``--variants`` picks):
   ``+nodrop``  LoRA dropout off (``lora.dropout: 0``): the H100 profile put its mask and scale kernels at 4.2%;
   ``+fp8``     FP8 matmuls on the frozen base projections (``model.fp8``, torchao; Hopper; one way: list last);
   ``+peftlora`` peft's own LoRA forward instead of the one-function branch (``lora.fused: false``,
-              reranker/lora_branch.py), to measure what the branch saves.
+              reranker/lora_branch.py; on CUDA, where ``auto`` turns the branch on), to measure what it saves.
   After each variant its eval-mode yes-no scores on unseen groups are compared with the plain padded
   project step's at the same weights: max |diff|, rankings, flipped document pairs.
 
@@ -248,13 +248,13 @@ def configure(reranker: LycheeReranker, spec: dict) -> None:
     reranker.config.pack_pairs = bool(spec.get("pack"))
     set_liger(reranker, bool(spec.get("liger")))
     set_lora_dropout(reranker, not spec.get("nodrop"))
-    set_lora_branch(reranker, fused=not spec.get("peftlora"))
+    set_lora_branch(reranker, fused=lora_branch.wants_fused("auto", reranker.device) and not spec.get("peftlora"))
     set_fp8(reranker, bool(spec.get("fp8")))
     set_compile(reranker, bool(spec.get("compile")))
 
 
 def set_lora_branch(reranker: LycheeReranker, fused: bool) -> None:
-    """The one-function LoRA branch (the default, ``lora.fused``) or peft's own forward."""
+    """The one-function LoRA branch (``lora.fused: auto``: on CUDA, as a stage runs) or peft's own forward."""
     if fused:
         lora_branch.fuse_lora_branches(reranker.backbone)
     else:
