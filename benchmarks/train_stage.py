@@ -222,7 +222,10 @@ def budget_refusal(folder: Path, counts: list[int], args, device_type: str) -> s
     # what the stage will run: pack_pairs/kernels "auto" resolved as the model's load resolves them
     packed = bool(args.pack_pairs) and (args.pack_pairs is True or refused(family, "pack_pairs") is None)
     fused = resolve_kernels(args.kernels, device_type, refused(family, "kernels")) == "liger"
-    costs = memory.activation_costs(packed=packed, fused=fused)
+    from lychee_pipeline.reranker.lora_branch import wants_fused
+
+    lora_branch = wants_fused(model_spec(args, folder)["lora"]["fused"], torch.device(device_type))
+    costs = memory.activation_costs(packed=packed, fused=fused, lora_branch=lora_branch)
     tokens = memory.longest_micro_batch_tokens(counts, args.group_size, packed=packed)
     choice = memory.choose_checkpoint_layers(tokens, int(text["hidden_size"]), int(text["num_hidden_layers"]),
                                              weight_bytes, args.memory_budget_gib, costs=costs)

@@ -282,8 +282,9 @@ def auto_checkpointing(reranker: LycheeReranker, groups_cpu: list, budget_gib: f
     packed = max(int(g["attention_mask"].sum()) for g in groups_cpu)
     # the packed-and-fused constants hold for +pack+liger; +pack alone keeps the (larger) padded ones
     return {kind: memory.choose_checkpoint_layers(tokens, int(text.hidden_size), layers, weights, budget_gib,
-                                                  costs=memory.activation_costs(packed=kind != "padded",
-                                                                                fused=kind == "pack+liger"))
+                                                  costs=memory.activation_costs(
+                                                      packed=kind != "padded", fused=kind == "pack+liger",
+                                                      lora_branch=lora_branch.wants_fused("auto", reranker.device)))
             for kind, tokens in (("padded", padded), ("pack", packed), ("pack+liger", packed))}
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from lychee_pipeline.reranker.model import ModelConfig
 from lychee_pipeline.training.config import DataLoaderParams, TrainingParams
-from lychee_pipeline.training.memory import (PACKED_FUSED, PADDED, activation_costs, choose_checkpoint_layers,
+from lychee_pipeline.training.memory import (PACKED_FUSED, PACKED_FUSED_LORA, PADDED, activation_costs, choose_checkpoint_layers,
                                              predicted_peak_gib, resolve_dataloader)
 
 SEVEN_B = dict(hidden=3584, num_layers=28, weight_bytes=int(8.292e9 * 2))  # bf16 weights of the 7B
@@ -72,6 +72,28 @@ def test_packed_fused_plans_fewer_checkpointed_layers_within_the_same_budget():
     # the regime a stage runs in picks the constants: only packed and fused together take the smaller ones
     assert activation_costs(packed=True, fused=True) is PACKED_FUSED
     assert {activation_costs(packed=p, fused=f) for p, f in ((True, False), (False, True), (False, False))} == {PADDED}
+    assert activation_costs(packed=True, fused=True, lora_branch=True) is PACKED_FUSED_LORA
+    assert activation_costs(packed=False, fused=True, lora_branch=True) is PADDED
+
+
+# The one-function LoRA branch (reranker/lora_branch.py) on one H100, 851 tokens/pair, packed + liger
+# (benchmarks/results/2026-12-06_h100_*lora_branch*.txt): a real stage without checkpointing, 7,123 tokens a micro-batch,
+# peaked at 37.7 GiB (42.8 with peft's forward); the isolated step (7,199 tokens) at 39.3 GiB with 0/28 layers
+# checkpointed and 34.8 with 6/28: 0.75 GiB a kept layer (peft's forward: 0.93, the 39 of PACKED_FUSED).
+LORA_BRANCH_STAGES_H100 = [(7123, 0, 37.7)]
+LORA_BRANCH_STEP_PER_LAYER_H100 = (7199, 6, 39.3 - 34.8)
+
+
+def test_the_lora_branch_constants_predict_its_stages_from_above():
+    for tokens, layers, measured in LORA_BRANCH_STAGES_H100:
+        predicted = predicted_peak_gib(tokens, checkpointed=layers, costs=PACKED_FUSED_LORA, **SEVEN_B)
+        assert measured <= predicted <= measured + 0.7, (tokens, layers, predicted)
+    tokens, layers, gib = LORA_BRANCH_STEP_PER_LAYER_H100
+    per_layers = tokens * SEVEN_B["hidden"] * PACKED_FUSED_LORA.kept * layers / 2**30
+    assert gib <= per_layers <= gib + 0.3
+    # what it buys: within 40 GiB at 851 tokens/pair the plan keeps 27 of 28 layers (6 with PACKED_FUSED)
+    choice = choose_checkpoint_layers(7123, budget_gib=40, costs=PACKED_FUSED_LORA, **SEVEN_B)
+    assert choice.fits and choice.layers == 1 and choice.predicted_peak_gib <= 40 * 0.95
 
 
 def test_the_constants_reproduce_the_points_they_were_fitted_on():

@@ -150,6 +150,11 @@ def fuse_lora_branches(model: nn.Module) -> int:
     return count
 
 
+def fused_branches(model: nn.Module) -> int:
+    """How many layers of ``model`` run the one-function branch (the memory model's regime depends on it)."""
+    return sum(getattr(m.__dict__.get("forward"), "__func__", None) is _fused_forward for m in model.modules())
+
+
 def unfuse_lora_branches(model: nn.Module) -> int:
     """peft's own forward on every layer :func:`fuse_lora_branches` changed (benchmarks compare the two)."""
     count = 0

@@ -33,6 +33,14 @@ it over-predicts by at most 0.6 GiB) and predicts the two packed H200 stages it 
 (29.5 GiB measured at 7,133 tokens and 15 layers, 30.8 at 11,752 and 20). For a 40 GiB budget it checkpoints
 6/28 layers at 851 tokens/pair instead of 15 (less recomputation, a faster step), and 16 at 1,391 tokens/pair,
 where the H100 stage then peaked at 36.6 GiB against 37.1 predicted.
+
+``PACKED_FUSED_LORA`` adds the one-function LoRA branch (reranker/lora_branch.py, ``model.lora.fused``, on by
+default on CUDA): peft's forward kept, for each adapted projection, the dropout's mask and a dropped bf16 copy of the
+input (3 bytes a value, 12 per token and hidden unit for q/k/v/o); the branch keeps the input once. Fitted on one
+H100 (benchmarks/results/2026-12-06_h100_*lora_branch*.txt): the isolated step at 7,199 tokens peaked at 39.3 GiB
+with 0/28 layers checkpointed and 34.8 with 6/28 (0.75 GiB a kept layer: kept 31.2, rounded up to 32), and a real
+stage at 7,123 tokens with none checkpointed at 37.7 GiB (42.8 with peft's forward): base 62, rounded up to 65.
+For a 40 GiB budget at 851 tokens/pair it checkpoints 1 layer.
 """
 
 from __future__ import annotations
@@ -54,11 +62,16 @@ class ActivationCosts:
 
 PADDED = ActivationCosts("padded batches, plain PyTorch path", base=45.0, kept=65.0)
 PACKED_FUSED = ActivationCosts("packed pairs with fused kernels", base=85.0, kept=39.0)
+PACKED_FUSED_LORA = ActivationCosts("packed pairs with fused kernels and the one-function LoRA branch",
+                                    base=65.0, kept=32.0)
 
 
-def activation_costs(packed: bool, fused: bool) -> ActivationCosts:
-    """The constants of the regime a stage runs in; anything but packed-and-fused uses the (larger) padded ones."""
-    return PACKED_FUSED if packed and fused else PADDED
+def activation_costs(packed: bool, fused: bool, lora_branch: bool = False) -> ActivationCosts:
+    """The constants of the regime a stage runs in; anything but packed-and-fused uses the (larger) padded ones.
+    ``lora_branch``: the LoRA layers run reranker/lora_branch.py's function (no dropout mask or dropped copy kept)."""
+    if packed and fused:
+        return PACKED_FUSED_LORA if lora_branch else PACKED_FUSED
+    return PADDED
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from lychee_pipeline.host import cpus_available
 from lychee_pipeline.reranker import GroupCollator, load_reranker
 from lychee_pipeline.reranker.collate import max_pixels_at, sample_group
 from lychee_pipeline.reranker.kernels import fused_kernels_applied
+from lychee_pipeline.reranker.lora_branch import fused_branches
 from lychee_pipeline.reranker.losses import get_loss
 from lychee_pipeline.reranker.processing import ProcessingConfig
 from lychee_pipeline.tracking import StageTracker
@@ -109,7 +110,8 @@ def resolve_activation_checkpointing(model, collator: GroupCollator, records, tr
     text = getattr(hf.config, "text_config", hf.config)
     packed = bool(model.config.pack_pairs)
     tokens = memory.longest_micro_batch_tokens(lengths, pairs_per_micro_batch, packed=packed)
-    costs = memory.activation_costs(packed=packed, fused=fused_kernels_applied(model))
+    costs = memory.activation_costs(packed=packed, fused=fused_kernels_applied(model),
+                                    lora_branch=fused_branches(model) > 0)
     return memory.choose_checkpoint_layers(tokens, int(text.hidden_size), len(decoder_layers(hf)),
                                            memory.weights_bytes(model), train.memory_budget_gib, costs=costs)
 
