@@ -193,12 +193,16 @@ def training_params(args, max_steps: int) -> dict:
     return train
 
 
+def lora_fused(args) -> bool | str:
+    """``--lora-fused`` as ``model.lora.fused`` takes it."""
+    return {"auto": "auto", "true": True, "false": False}[args.lora_fused]
+
+
 def model_spec(args, folder: Path) -> dict:
     ckpt = "auto" if args.checkpoint_layers == "auto" else True
     layers = None if args.checkpoint_layers == "auto" else int(args.checkpoint_layers)
-    fused = {"auto": "auto", "true": True, "false": False}[args.lora_fused]
     return {"name_or_path": str(folder), "finetune": "lora",
-            "lora": {"r": 16, "alpha": 32, "dropout": 0.05, "fused": fused},
+            "lora": {"r": 16, "alpha": 32, "dropout": 0.05, "fused": lora_fused(args)},
             "activation_checkpointing": ckpt, "checkpoint_layers": layers, "attn_implementation": "sdpa",
             "fast_path": True, "pack_pairs": args.pack_pairs, "kernels": args.kernels,
             "compile_layers": args.compile_layers}
@@ -224,7 +228,7 @@ def budget_refusal(folder: Path, counts: list[int], args, device_type: str) -> s
     fused = resolve_kernels(args.kernels, device_type, refused(family, "kernels")) == "liger"
     from lychee_pipeline.reranker.lora_branch import wants_fused
 
-    lora_branch = wants_fused(model_spec(args, folder)["lora"]["fused"], torch.device(device_type))
+    lora_branch = wants_fused(lora_fused(args), torch.device(device_type))
     costs = memory.activation_costs(packed=packed, fused=fused, lora_branch=lora_branch)
     tokens = memory.longest_micro_batch_tokens(counts, args.group_size, packed=packed)
     choice = memory.choose_checkpoint_layers(tokens, int(text["hidden_size"]), int(text["num_hidden_layers"]),

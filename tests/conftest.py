@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
+import tempfile
 import types
 import unicodedata
 from pathlib import Path
@@ -224,6 +226,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
     _group_shared_fixtures(items)
     _longest_first(items)
+    _write_groups(config, items)
     # A -m on the command line replaces pyproject's `-m 'not online'`: `pytest -m "not slow"` must still leave the
     # online tests out. They run only when the expression names them (`pytest -m online`, as `make audit` does).
     if "online" not in (config.option.markexpr or ""):
@@ -267,6 +270,67 @@ def _group_shared_fixtures(items: list[pytest.Item]) -> None:
     for item in items:
         if shared[item.nodeid]:
             item.add_marker(pytest.mark.xdist_group(root(shared[item.nodeid][0])))
+
+
+# xdist 3.8 tells its controller a test's group by appending "@group" to the test's id, which pytest 9 no longer reads
+# back (a node's id is built from its structured address): `--dist loadgroup` alone spread each group over both
+# workers, and a shared fixture (the team server's 96 s) was built twice. So the workers write each test's group
+# to a file the controller named, and the controller's scheduler (xdist's per-scope scheduling, the scope being
+# that group) reads it once every worker has collected, before it hands out work.
+GROUPS_FILE = "lychee_xdist_groups"
+
+
+def _write_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
+    target = getattr(config, "workerinput", {}).get(GROUPS_FILE)
+    if not target:
+        return
+    groups = {}
+    for item in items:
+        mark = item.get_closest_marker("xdist_group")
+        groups[item.nodeid] = mark.args[0] if mark else item.nodeid
+    partial = Path(f"{target}.{config.workerinput['workerid']}")
+    partial.write_text(json.dumps(groups), encoding="utf-8")
+    os.replace(partial, target)  # the workers write the same content; either whole file will do
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput") and config.pluginmanager.hasplugin("xdist") \
+            and config.getoption("dist", "no") == "loadgroup":
+        config.stash[_GROUPS_KEY] = Path(tempfile.mkdtemp(prefix="lychee-xdist-")) / "groups.json"
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    path = config.stash.get(_GROUPS_KEY, None)
+    if path is not None:
+        shutil.rmtree(path.parent, ignore_errors=True)
+
+
+_GROUPS_KEY = pytest.StashKey[Path]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    path = node.config.stash.get(_GROUPS_KEY, None)
+    if path is not None:
+        node.workerinput[GROUPS_FILE] = str(path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    path = config.stash.get(_GROUPS_KEY, None)
+    if path is None:
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:
+                self.groups = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+            return self.groups.get(nodeid, nodeid)
+
+    return SharedFixtureScheduling(config, log)
 
 
 # Work goes out longest first, so the last minutes are short tests on both workers rather than one long test on

@@ -66,7 +66,7 @@ def test_the_stage_benchmark_refuses_in_one_line_through_the_memory_model(tiny_d
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     args = argparse.Namespace(checkpoint_layers="auto", group_size=4, pack_pairs=True, kernels="auto",
-                              memory_budget_gib=0.001)
+                              lora_fused="auto", memory_budget_gib=0.001)
     refusal = train_stage.budget_refusal(Path(tiny_dir), [150, 160, 170, 180], args, "cpu")
     assert refusal is not None and "\n" not in refusal
     assert refusal.startswith("memory budget 0 GiB: even with all ")
