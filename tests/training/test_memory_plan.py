@@ -77,23 +77,26 @@ def test_packed_fused_plans_fewer_checkpointed_layers_within_the_same_budget():
 
 
 # The one-function LoRA branch (reranker/lora_branch.py) on one H100, 851 tokens/pair, packed + liger
-# (benchmarks/results/2026-12-06_h100_*lora_branch*.txt): a real stage without checkpointing, 7,123 tokens a micro-batch,
-# peaked at 37.7 GiB (42.8 with peft's forward); the isolated step (7,199 tokens) at 39.3 GiB with 0/28 layers
-# checkpointed and 34.8 with 6/28: 0.75 GiB a kept layer (peft's forward: 0.93, the 39 of PACKED_FUSED).
-LORA_BRANCH_STAGES_H100 = [(7123, 0, 37.7)]
+# (benchmarks/results/2026-12-06_h100_*lora_branch*.txt): real stages at 7,123 tokens a micro-batch with 0, 1 and 23 of
+# 28 layers checkpointed peaked at 37.7, 37.0 and 21.0 GiB (42.8 with peft's forward at 0); the isolated step
+# (7,199 tokens) at 39.3 GiB with 0/28 layers checkpointed and 34.8 with 6/28. PACKED_FUSED_LORA was fitted on these.
+LORA_BRANCH_STAGES_H100 = [(7123, 0, 37.7), (7123, 1, 37.0), (7123, 23, 21.0)]
 LORA_BRANCH_STEP_PER_LAYER_H100 = (7199, 6, 39.3 - 34.8)
 
 
 def test_the_lora_branch_constants_predict_its_stages_from_above():
     for tokens, layers, measured in LORA_BRANCH_STAGES_H100:
         predicted = predicted_peak_gib(tokens, checkpointed=layers, costs=PACKED_FUSED_LORA, **SEVEN_B)
-        assert measured <= predicted <= measured + 0.7, (tokens, layers, predicted)
+        assert measured <= predicted <= measured + 0.5, (tokens, layers, predicted)
     tokens, layers, gib = LORA_BRANCH_STEP_PER_LAYER_H100
     per_layers = tokens * SEVEN_B["hidden"] * PACKED_FUSED_LORA.kept * layers / 2**30
-    assert gib <= per_layers <= gib + 0.3
-    # what it buys: within 40 GiB at 851 tokens/pair the plan keeps 27 of 28 layers (6 with PACKED_FUSED)
+    assert per_layers == pytest.approx(gib, abs=0.2)
+    # what it buys: within 40 GiB at 851 tokens/pair the plan keeps 27 of 28 layers (6 with PACKED_FUSED); a 24 GB
+    # card's 22 GiB: 24 checkpointed, predicted within its 95%
     choice = choose_checkpoint_layers(7123, budget_gib=40, costs=PACKED_FUSED_LORA, **SEVEN_B)
     assert choice.fits and choice.layers == 1 and choice.predicted_peak_gib <= 40 * 0.95
+    small = choose_checkpoint_layers(7123, budget_gib=22, costs=PACKED_FUSED_LORA, **SEVEN_B)
+    assert small.fits and small.layers == 24 and small.predicted_peak_gib <= 22 * 0.95
 
 
 def test_the_constants_reproduce_the_points_they_were_fitted_on():

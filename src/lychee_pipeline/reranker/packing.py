@@ -418,7 +418,10 @@ def packed_last_hidden(vl_model: nn.Module, batch: dict[str, Any] | PackedBatch)
     embeds = embedding(packed.input_ids)
     deepstack: dict[str, Any] = {}
     if packed.pixel_values is not None:
-        features = vl_model.get_image_features(packed.pixel_values, packed.image_grid_thw, return_dict=True,
+        grid = packed.image_grid_thw
+        if not packed.vision_on_host:  # a tower that derives its inputs from the grids (Qwen3-VL's) needs them
+            grid = grid.to(packed.pixel_values.device)  # where it runs: its position-embedding lookup indexes by them
+        features = vl_model.get_image_features(packed.pixel_values, grid, return_dict=True,
                                                **packed.vision_to_device, **packed.vision_on_host)
         image_embeds = torch.cat(tuple(features.pooler_output), dim=0).to(embeds.dtype)
         embeds = embeds.index_copy(1, packed.image_rows, image_embeds.unsqueeze(0))

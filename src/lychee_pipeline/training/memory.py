@@ -37,10 +37,11 @@ where the H100 stage then peaked at 36.6 GiB against 37.1 predicted.
 ``PACKED_FUSED_LORA`` adds the one-function LoRA branch (reranker/lora_branch.py, ``model.lora.fused``, on by
 default on CUDA): peft's forward kept, for each adapted projection, the dropout's mask and a dropped bf16 copy of the
 input (3 bytes a value, 12 per token and hidden unit for q/k/v/o); the branch keeps the input once. Fitted on one
-H100 (benchmarks/results/2026-12-06_h100_*lora_branch*.txt): the isolated step at 7,199 tokens peaked at 39.3 GiB
-with 0/28 layers checkpointed and 34.8 with 6/28 (0.75 GiB a kept layer: kept 31.2, rounded up to 32), and a real
-stage at 7,123 tokens with none checkpointed at 37.7 GiB (42.8 with peft's forward): base 62, rounded up to 65.
-For a 40 GiB budget at 851 tokens/pair it checkpoints 1 layer.
+H100 (benchmarks/results/2026-12-06_h100_*lora_branch*.txt, 7,123 tokens a micro-batch): real stages with 0, 1 and 23
+of 28 layers checkpointed peaked at 37.7, 37.0 and 21.0 GiB (42.8 with peft's forward at 0); least squares gives
+base ~81, kept ~30.5, rounded up to 85 / 31 so every point is predicted from above, within 0.4 GiB; the isolated step
+(7,199 tokens) lost 4.5 GiB from 6 checkpointed layers, 4.47 predicted. For a 40 GiB budget at 851 tokens/pair it
+checkpoints 1 layer (the stage: 37.0 GiB, 17.1 pairs/s), for 22 GiB 24.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class ActivationCosts:
 PADDED = ActivationCosts("padded batches, plain PyTorch path", base=45.0, kept=65.0)
 PACKED_FUSED = ActivationCosts("packed pairs with fused kernels", base=85.0, kept=39.0)
 PACKED_FUSED_LORA = ActivationCosts("packed pairs with fused kernels and the one-function LoRA branch",
-                                    base=65.0, kept=32.0)
+                                    base=85.0, kept=31.0)
 
 
 def activation_costs(packed: bool, fused: bool, lora_branch: bool = False) -> ActivationCosts:
