@@ -278,6 +278,7 @@ def _group_shared_fixtures(items: list[pytest.Item]) -> None:
 # to a file the controller named, and the controller's scheduler (xdist's per-scope scheduling, the scope being
 # that group) reads it once every worker has collected, before it hands out work.
 GROUPS_FILE = "lychee_xdist_groups"
+_GROUPS_KEY = pytest.StashKey[Path]()  # the controller's groups file
 
 
 def _write_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -303,9 +304,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     path = config.stash.get(_GROUPS_KEY, None)
     if path is not None:
         shutil.rmtree(path.parent, ignore_errors=True)
-
-
-_GROUPS_KEY = pytest.StashKey[Path]()
 
 
 @pytest.hookimpl(optionalhook=True)

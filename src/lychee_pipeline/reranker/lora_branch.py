@@ -53,7 +53,7 @@ def _generator_replaying(device: torch.device, state: torch.Tensor):
     """The device's default generator at ``state`` inside, as it was outside (the mask is drawn a second time
     without moving the stream the rest of the run draws from)."""
     on_cuda = device.type == "cuda"
-    with torch.random.fork_rng(devices=[device] if on_cuda else [], device_type=device.type if on_cuda else "cuda"):
+    with torch.random.fork_rng(devices=[device] if on_cuda else []):  # the CPU's generator is always forked
         if on_cuda:
             torch.cuda.set_rng_state(state, device)
         else:
@@ -91,11 +91,8 @@ class LoraBranch(torch.autograd.Function):
         dtype, scaling, p = ctx.compute_dtype, ctx.scaling, ctx.p
         grad2 = grad.reshape(-1, grad.shape[-1]).to(dtype)
         x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-        if p > 0.0:
-            with _generator_replaying(x.device, ctx.state):
-                dropped, mask = _dropped(x2, p)
-        else:
-            dropped, mask = x2, None
+        with _generator_replaying(x.device, ctx.state) if p > 0.0 else contextlib.nullcontext():
+            dropped, mask = _dropped(x2, p)
         grad_hidden = (grad2 @ weight_b.to(dtype)).mul_(scaling)
         grad_b = (grad2.t() @ hidden).mul_(scaling)
         grad_a = grad_hidden.t() @ dropped
