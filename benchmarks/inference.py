@@ -194,7 +194,7 @@ def timed(fn, device: torch.device):
 
 
 @torch.inference_mode()
-def gpu_only(scorer: Reranker, pairs, device: torch.device) -> tuple[list[float], float, int]:
+def gpu_only(scorer: Reranker, pairs, device: torch.device) -> tuple[list[float], float, int, float | None]:
     """The scorer's own batches, encoded beforehand and moved to the device; times forward + scores only."""
     encoded = [(pos, to_device(batch, device)) for pos, batch in scorer.batches(pairs)]
     common.sync(device)
@@ -208,8 +208,26 @@ def gpu_only(scorer: Reranker, pairs, device: torch.device) -> tuple[list[float]
     common.sync(device)
     secs = time.perf_counter() - t0
     n_batches = len(encoded)
+    vision_secs = vision_tower_seconds(model, [batch for _, batch in encoded], device)
     del encoded, results
-    return out, secs, n_batches
+    return out, secs, n_batches, vision_secs
+
+
+def vision_tower_seconds(model, batches: list[dict], device: torch.device) -> float | None:
+    """Attribution: the vision tower alone on the same packed batches (its share of the forward above), or None
+    where the batches are not packed or carry no image."""
+    packed = [b["packed"] for b in batches if isinstance(b.get("packed"), packing.PackedBatch)
+              and b["packed"].pixel_values is not None]
+    if not packed:
+        return None
+    vl_model = model.base_model.model
+    common.sync(device)
+    t0 = time.perf_counter()
+    for p in packed:
+        vl_model.get_image_features(p.pixel_values, p.image_grid_thw, return_dict=True, **p.vision_to_device,
+                                    **p.vision_on_host)
+    common.sync(device)
+    return time.perf_counter() - t0
 
 
 def jpeg_files(folder: Path, kind: str, count: int, seed: int) -> list[str]:
@@ -475,11 +493,15 @@ def run_device_alone(args, reranker, pairs, device, params, peaks, pipeline: dic
                               "same_scores_as_core": scores["core-serial"] == scores["core"]}
     common.reset_peak(device)
     work = WorkCounter(reranker)
-    scores["gpu-only"], secs, n_batches = gpu_only(Reranker(reranker, batch_size=args.batch_size, **pipeline),
-                                                   pairs, device)
+    scores["gpu-only"], secs, n_batches, vision_secs = gpu_only(
+        Reranker(reranker, batch_size=args.batch_size, **pipeline), pairs, device)
     work.remove()
+    tower = "" if vision_secs is None else (f"; the vision tower alone on them: {vision_secs:.2f} s "
+                                            f"({100 * vision_secs / secs:.0f}% of the forward)")
     results["gpu-only"] = {**rates(len(pairs), secs, work, params, peaks), "peak_gib": common.peak_gib(device),
-                           "label": f"the same {n_batches} batches encoded beforehand, on the device: forward only",
+                           "vision_tower_s": vision_secs,
+                           "label": f"the same {n_batches} batches encoded beforehand, on the device: forward "
+                                    f"only{tower}",
                            "same_scores_as_core": scores["gpu-only"] == scores["core"]}
 
 

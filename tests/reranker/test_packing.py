@@ -217,14 +217,14 @@ def test_memory_plan_counts_packed_tokens():
 
 
 @pytest.mark.parametrize("images", [True, False], ids=["images", "text_only"])
-def test_a_host_prepared_forward_reads_nothing_back_from_the_device(make_model, tmp_path, images):
+def test_a_host_prepared_forward_reads_nothing_back_from_the_device(family_model, tmp_path, images):
     """Scoring prepares each batch on the host (``host_inputs``: packed ids, mRoPE positions, the vision tower's
     grid-derived inputs). The forward on that batch must then never read a device tensor's values (each such
     read is a wait for the device): run on the ``meta`` device, where tensors have shapes but no values, it
     completes; the padded batch, packed inside the forward, cannot (it reads its token ids back). Copies from the
     host that wait for the device are not visible here: on a GPU, ``benchmarks/forward_syncs.py`` lists every
     synchronising call of a forward (0 on the H200, docs/benchmarks.md)."""
-    model = make_model(finetune="frozen")
+    model = family_model(finetune="frozen")
     model.eval()
     batch = GroupCollator(model.processor, group_size=4)(_rows(tmp_path, images=images))
     with torch.no_grad():

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -229,7 +230,10 @@ def _text_configs(model: nn.Module) -> list[Any]:
 
 def enable_packed_attention(model: nn.Module) -> int:
     """Switch the language model(s) inside ``model`` to :data:`PACKED_ATTENTION` (the vision tower keeps its
-    own). Returns how many text configs were switched. Needs SDPA or the packed function already."""
+    own), and a DeepStack language model (Qwen3-VL's) to :func:`_deepstack_at_rows`. Returns how many text configs
+    were switched. Needs SDPA or the packed function already."""
+    from .families import family_of_model
+
     register_packed_attention()
     configs = _text_configs(model)
     for config in configs:
@@ -238,7 +242,22 @@ def enable_packed_attention(model: nn.Module) -> int:
             raise ValueError(f"packing pairs needs attn_implementation 'sdpa' for the language model, got {current!r} "
                              "(set model.attn_implementation: sdpa, or model.pack_pairs: false)")
         config._attn_implementation = PACKED_ATTENTION
+    for language_model in family_of_model(model).language_models(model):
+        if hasattr(language_model, "_deepstack_process"):
+            language_model._deepstack_process = types.MethodType(_deepstack_at_rows, language_model)
     return len(configs)
+
+
+def _deepstack_at_rows(language_model: nn.Module, hidden_states: torch.Tensor, visual_pos_masks: torch.Tensor,
+                       visual_embeds: torch.Tensor) -> torch.Tensor:
+    """Qwen3-VL's DeepStack add with the image rows of a packed batch given as indices (built on the host by
+    :func:`pack_batch`): the stock add gathers by a boolean mask, which reads the mask back from the device at
+    each of the first decoder layers. The same sums (one add per image row); a mask still takes the stock add."""
+    if visual_pos_masks.dtype == torch.bool:
+        return type(language_model)._deepstack_process(language_model, hidden_states, visual_pos_masks,
+                                                       visual_embeds)
+    rows, embeds = visual_pos_masks, visual_embeds.to(hidden_states.dtype).unsqueeze(0)
+    return hidden_states.index_copy(1, rows, hidden_states.index_select(1, rows) + embeds)
 
 
 def _mm_token_types(vl_model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -418,10 +437,7 @@ def packed_last_hidden(vl_model: nn.Module, batch: dict[str, Any] | PackedBatch)
     embeds = embedding(packed.input_ids)
     deepstack: dict[str, Any] = {}
     if packed.pixel_values is not None:
-        grid = packed.image_grid_thw
-        if not packed.vision_on_host:  # a tower that derives its inputs from the grids (Qwen3-VL's) needs them
-            grid = grid.to(packed.pixel_values.device)  # where it runs: its position-embedding lookup indexes by them
-        features = vl_model.get_image_features(packed.pixel_values, grid, return_dict=True,
+        features = vl_model.get_image_features(packed.pixel_values, packed.image_grid_thw, return_dict=True,
                                                **packed.vision_to_device, **packed.vision_on_host)
         image_embeds = torch.cat(tuple(features.pooler_output), dim=0).to(embeds.dtype)
         embeds = embeds.index_copy(1, packed.image_rows, image_embeds.unsqueeze(0))
@@ -439,7 +455,5 @@ def _deepstack_inputs(features: Any, image_rows: torch.Tensor, embeds: torch.Ten
     layers = getattr(features, "deepstack_features", None)
     if not layers:
         return {}
-    mask = torch.zeros(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
-    mask[0, image_rows] = True
-    return {"visual_pos_masks": mask,
+    return {"visual_pos_masks": image_rows,  # row indices, not the stock boolean mask (:func:`_deepstack_at_rows`)
             "deepstack_visual_embeds": [torch.cat(tuple(per_image), dim=0).to(embeds.dtype) for per_image in layers]}

@@ -55,9 +55,30 @@ def disable_fast_path(model: nn.Module) -> nn.Module:
 
 
 def vision_inputs_on_host(vision_config: Any, image_grid_thw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The tower's grid-derived inputs a packed batch prepares on the host: none (Qwen3-VL's tower attends over whole
-    images and derives its positions itself; Qwen2.5-VL's window indices have no counterpart here)."""
-    return {}, {}
+    """What the tower derives from the image grids alone, computed on the host: ``(to the device, stays on the
+    host)``, passed to its forward as precomputed keyword arguments (transformers' ``vision_utils``).
+
+    Left to the tower, these come from the grids on the device: its position-embedding resampling then reads
+    device values back (``repeat_interleave`` without a known size), and with the grids on the host its lookup
+    indexes a device table by a host tensor ("index is on cpu", the first CUDA run of a packed Qwen3-VL batch).
+    To the device: the resampling's taps and weights and the rotary positions. On the host: each image's bounds
+    (the SDPA attention splits the sequence by them; flash attention reads them on the device) and the longest.
+    """
+    from transformers import vision_utils
+    from transformers.utils.generic import is_flash_attention_requested
+
+    grid = image_grid_thw.cpu()
+    merge = vision_config.spatial_merge_size
+    # the tower's resampling of its square learned table: bilinear, corners aligned (Qwen3VLVisionModel.__init__)
+    indices, weights = vision_utils.get_vision_interpolation_indices_and_weights(
+        grid, num_grid_per_side=int(vision_config.num_position_embeddings ** 0.5), mode="bilinear",
+        align_corners=True, spatial_merge_size=merge)
+    cu_seqlens = vision_utils.get_vision_cu_seqlens(grid)
+    to_device = {"interp_indices": indices, "interp_weights": weights,
+                 "position_ids": vision_utils.get_vision_position_ids(grid, merge)}
+    on_host = {"max_seqlen": int((cu_seqlens[1:] - cu_seqlens[:-1]).max())}
+    (to_device if is_flash_attention_requested(vision_config) else on_host)["cu_seqlens"] = cu_seqlens
+    return to_device, on_host
 
 
 def apply_selective_checkpointing(model: nn.Module, layers: int | float | None = None) -> int:
