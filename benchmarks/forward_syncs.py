@@ -1,8 +1,9 @@
 """Where the scoring forward waits for the device (CUDA GPU only; an attribution tool, not a figure of merit).
 
     PYTHONPATH=src python benchmarks/forward_syncs.py
+    PYTHONPATH=src python benchmarks/forward_syncs.py --family qwen3_vl --size 2b
 
-The 7B architecture with random weights, set up as ``Reranker.from_pretrained`` does (fused kernels, packed
+The 7B architecture (or ``--family`` / ``--size``) with random weights, set up as ``Reranker.from_pretrained`` does (fused kernels, packed
 pairs, fast vision path), 64 pairs with mixed-size JPEG documents prepared by ``Reranker.batches`` (on the host,
 as the scorer's preparing thread does). Prints, per batch, the host time spent inside the forward against the
 device time of the forward (a forward that waits for the device returns only when the device is done: the two
@@ -13,6 +14,7 @@ SDPA on grouped-query heads.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import sys
 import tempfile
@@ -24,24 +26,29 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 import inference  # noqa: E402
 
-from lychee_pipeline.reranker.families import qwen2_5_vl  # noqa: E402
 from lychee_pipeline.reranker.inference import Reranker, to_device  # noqa: E402
 from lychee_pipeline.reranker.kernels import apply_kernels  # noqa: E402
 from lychee_pipeline.reranker.packing import _varlen_attention, enable_packed_attention  # noqa: E402
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=tuple(common.SIZES), default="qwen2_5_vl")
+    parser.add_argument("--size", default=None, help="published size: 7b (qwen2_5_vl); 2b or 8b (qwen3_vl)")
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("forward_syncs.py needs a CUDA GPU")
         return 2
+    common.select_architecture(args.family, args.size)
     device = torch.device("cuda")
     folder = tempfile.mkdtemp(prefix="lychee_syncs_")
     model = inference.build(False, device, torch.bfloat16, folder)
     apply_kernels(model.base_model, "auto", device)
     enable_packed_attention(model.base_model)
-    qwen2_5_vl.enable_fast_path(model)
+    common.family().enable_fast_path(model)
     paths = inference.jpeg_files(Path(folder) / "jpegs", "mixed", 16, 7)
     pairs = inference.make_pairs(model.processor, 8, 8, 600, 0.5, 448, 7, paths)
     batches = [to_device(batch, device) for _, batch in Reranker(model, batch_size=32).batches(pairs)]
