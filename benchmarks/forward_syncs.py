@@ -32,6 +32,37 @@ import inference  # noqa: E402
 from lychee_pipeline.reranker.inference import Reranker, to_device  # noqa: E402
 from lychee_pipeline.reranker.kernels import apply_kernels  # noqa: E402
 from lychee_pipeline.reranker.packing import _varlen_attention, enable_packed_attention  # noqa: E402
+from lychee_pipeline.reranker.vision_cache import VisionFeatureCache  # noqa: E402
+
+
+def count_syncs(model, batch: dict, **kwargs) -> collections.Counter:
+    """The synchronising calls of one forward (``torch.cuda.set_sync_debug_mode``), by call site."""
+    sites: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in traceback.extract_stack()[:-1]
+                  if "site-packages/torch" not in f.filename and "warnings" not in f.filename]
+        sites[" <- ".join(reversed(frames[-4:]))] += 1
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode(1)
+    shown = warnings.showwarning
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            model(**batch, **kwargs)
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = shown
+    return sites
+
+
+def report(context: str, sites: collections.Counter) -> None:
+    print(f"synchronising calls in one forward{context}: {sum(sites.values())}")
+    for site, count in sites.most_common(25):
+        print(f"{count:5d}  {site}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,27 +99,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"batch of {batch['packed'].pairs} pairs: host in the forward {1000 * (t1 - t0):.0f} ms, "
                   f"device {start.elapsed_time(end):.0f} ms", flush=True)
 
-        sites: collections.Counter = collections.Counter()
-
-        def record(message, category, filename, lineno, file=None, line=None):
-            frames = [f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in traceback.extract_stack()[:-1]
-                      if "site-packages/torch" not in f.filename and "warnings" not in f.filename]
-            sites[" <- ".join(reversed(frames[-4:]))] += 1
-
-        torch.cuda.set_sync_debug_mode(1)
-        shown = warnings.showwarning
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("always")
-                warnings.showwarning = record
-                model(**batches[-1])
-                torch.cuda.synchronize()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-            warnings.showwarning = shown
-    print(f"synchronising calls in one forward of {batches[-1]['packed'].pairs} pairs: {sum(sites.values())}")
-    for site, count in sites.most_common(25):
-        print(f"{count:5d}  {site}")
+        last = batches[-1]
+        report("", count_syncs(model, last))
+        # the vision cache's partial path: half of the batch's distinct images known, the rest run through the tower
+        cache = VisionFeatureCache(16 * 2**30)
+        model(**last, vision_cache=cache)
+        keys = list(dict.fromkeys(last["packed"].image_keys))
+        for key in keys[::2]:
+            cache.discard(key)
+        report(f", vision cache holding {len(cache)} of its {len(keys)} distinct images",
+               count_syncs(model, last, vision_cache=cache))
 
     varlen = _varlen_attention()
     if varlen is None:

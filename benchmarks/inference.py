@@ -58,6 +58,7 @@ from lychee_pipeline.reranker.model import LycheeReranker, ModelConfig, single_t
 from lychee_pipeline.reranker import packing  # noqa: E402
 from lychee_pipeline.reranker.packing import enable_packed_attention  # noqa: E402
 from lychee_pipeline.reranker.tiny import ensure_tiny  # noqa: E402
+from lychee_pipeline.reranker.vision_cache import VisionFeatureCache  # noqa: E402
 
 WORDS, log = common.WORDS, common.log
 
@@ -195,13 +196,15 @@ def timed(fn, device: torch.device):
 
 @torch.inference_mode()
 def gpu_only(scorer: Reranker, pairs, device: torch.device) -> tuple[list[float], float, int, float | None]:
-    """The scorer's own batches, encoded beforehand and moved to the device; times forward + scores only."""
+    """The scorer's own batches, encoded beforehand and moved to the device; times forward + scores only (with the
+    scorer's vision cache, empty at the start)."""
     encoded = [(pos, to_device(batch, device)) for pos, batch in scorer.batches(pairs)]
+    cache = None if scorer.vision_cache is None else VisionFeatureCache(scorer.vision_cache.max_bytes)
     common.sync(device)
     model = scorer.model
     out = [0.0] * len(pairs)
     t0 = time.perf_counter()
-    results = [(pos, model.probabilities(model(**batch))) for pos, batch in encoded]
+    results = [(pos, model.probabilities(model(**batch, vision_cache=cache))) for pos, batch in encoded]
     for pos, probs in results:
         for i, p in zip(pos, probs.float().cpu().tolist()):
             out[i] = float(p)
@@ -283,21 +286,22 @@ def compare(ref: list[float], other: list[float], per_query: int) -> dict:
 
 class WorkCounter:
     """Tokens and vision patches the model actually runs, summed over forwards: a packed batch's tokens (with
-    shared prefixes, each prefix once) or a padded batch's rows x longest row, and the pixel rows (patches)."""
+    shared prefixes, each prefix once) or a padded batch's rows x longest row, and the patches the vision tower
+    takes (counted at the tower, so images whose features come from the vision cache are not counted)."""
 
     def __init__(self, *modules):
         self.tokens = self.patches = 0
-        self.handles = [m.register_forward_pre_hook(self, with_kwargs=True) for m in modules]
+        towers = {id(m): m for root in modules for name, m in root.named_modules() if name.split(".")[-1] == "visual"}
+        self.handles = [m.register_forward_pre_hook(self.count_tokens, with_kwargs=True) for m in modules]
+        self.handles += [m.register_forward_pre_hook(self.count_patches, with_kwargs=True) for m in towers.values()]
 
-    def __call__(self, module, args, kwargs):
+    def count_tokens(self, module, args, kwargs):
         packed = kwargs.get("packed")
-        if packed is not None:
-            self.tokens += packed.tokens
-            pixels = packed.pixel_values
-        else:
-            self.tokens += int(kwargs["input_ids"].numel())
-            pixels = kwargs.get("pixel_values")
-        self.patches += int(pixels.shape[0]) if pixels is not None else 0
+        self.tokens += packed.tokens if packed is not None else int(kwargs["input_ids"].numel())
+
+    def count_patches(self, module, args, kwargs):
+        pixels = args[0] if args else kwargs.get("hidden_states", kwargs.get("pixel_values"))
+        self.patches += int(pixels.shape[0])
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -326,10 +330,26 @@ def timed_with_work(fn, device: torch.device, model, pairs: int, params: tuple[i
     return out, rates(pairs, secs, work, params, peaks)
 
 
+def warm_up(scorer: Reranker, pairs) -> None:
+    """A short scoring call (kernels, allocator, threads), its vision cache then emptied: the timed call starts
+    with none of its images seen."""
+    scorer.score_pairs(pairs[:16])
+    if scorer.vision_cache is not None:
+        scorer.vision_cache = VisionFeatureCache(scorer.vision_cache.max_bytes)
+
+
+def cache_note(scorer: Reranker) -> str:
+    if scorer.vision_cache is None:
+        return ", no vision cache"
+    stats = scorer.vision_cache.stats()
+    return (f", vision cache {stats['max_bytes'] / 2**30:.1f} GiB: {stats['through_tower']} of {stats['images']} "
+            f"images through the tower")
+
+
 def time_core(reranker, pairs, batch_size: int, options: dict, device, params, peaks, label: str) -> dict:
     """One core scorer (``Reranker`` with ``options``) warmed up, then timed over ``pairs`` with its work counted."""
     scorer = Reranker(reranker, batch_size=batch_size, **options)
-    scorer.score_pairs(pairs[:16])
+    warm_up(scorer, pairs)
     common.reset_peak(device)
     scores, r = timed_with_work(lambda: scorer.score_pairs(pairs), device, reranker, len(pairs), params, peaks)
     r.update(peak_gib=common.peak_gib(device), scores=scores, label=label)
@@ -408,6 +428,8 @@ def argument_parser() -> argparse.ArgumentParser:
                                                                  "the first-batch split (one thread, no split)")
     parser.add_argument("--prefix-reuse", action="store_true", help="also time the core with prefix_reuse=True "
                         "(core-prefix: a query's shared prefix once per batch) beside the plain core")
+    parser.add_argument("--vision-cache-gib", default="auto", help="the core's vision_cache_gib (auto, a number of "
+                        "GiB, 0: off); when on, core-nocache runs the same core without it")
     parser.add_argument("--fp8", action="store_true", help="last: fp32 reference scores, then the core with "
                         "model.fp8 (core-fp8, torchao float8; Hopper; emulated on a CPU) beside bf16")
     parser.add_argument("--fp8-check", type=int, default=64, help="pairs compared with fp32 for --fp8")
@@ -449,6 +471,8 @@ def run_core_variants(args, reranker, pairs, device, params, peaks, ref, pipelin
                       scores: dict) -> None:
     """The core scorer variants (``core`` and those the flags ask for), timed end to end with their host phases."""
     variants = [("core-nofast", args.batch_size, False, pipeline)] if args.attribute else []
+    if pipeline["vision_cache_gib"] not in (0, "0", None):
+        variants += [("core-nocache", args.batch_size, True, {**pipeline, "vision_cache_gib": 0})]
     variants += [("core", args.batch_size, True, pipeline)]
     if args.previous:
         variants += [("core-previous", args.batch_size, True, {"prepare_workers": 1, "first_batch": 0})]
@@ -459,7 +483,7 @@ def run_core_variants(args, reranker, pairs, device, params, peaks, ref, pipelin
         if fast:
             common.family().enable_fast_path(reranker)
         scorer = Reranker(reranker, batch_size=bs, **options)
-        scorer.score_pairs(pairs[:16])
+        warm_up(scorer, pairs)
         phases = instrument_all(scorer)
         common.reset_peak(device)
         first = first_forward_clock(reranker)
@@ -475,8 +499,10 @@ def run_core_variants(args, reranker, pairs, device, params, peaks, ref, pipelin
                          "prepare_workers": scorer.preparation.threads(), "first_chunk": bounds[0][1] if bounds else 0,
                          "batches": sum(-(-(e - s) // bs) for s, e in bounds),
                          "label": f"Reranker.score_pairs, batch {bs} length-sorted, last-position logits"
-                                  + (", fast vision" if fast else ", stock vision"),
+                                  + (", fast vision" if fast else ", stock vision") + cache_note(scorer),
                          **({"vs_naive": compare(ref, scores[name], args.docs)} if ref is not None else {})}
+    if "core-nocache" in scores:
+        results["core"]["vs_nocache"] = compare(scores["core-nocache"], scores["core"], args.docs)
 
 
 def run_device_alone(args, reranker, pairs, device, params, peaks, pipeline: dict, results: dict, scores: dict) -> None:
@@ -550,6 +576,12 @@ def print_summary(args, env: dict, peaks: dict, results: dict, n_pairs: int) -> 
             f"{r['tokens_run']} against {core['tokens_run']} ({100 * (1 - r['tokens_run'] / core['tokens_run']):.1f}% "
             f"saved); against the plain core: max |dlogit| {c['max_abs_logit_diff']:.2e}, same ranking "
             f"{c['queries_same_ranking']}/{c['queries']} queries")
+    if "core-nocache" in results:
+        r = results["core-nocache"]
+        log(f"vision cache: {core['pairs_per_s'] / r['pairs_per_s']:.2f}x the uncached core's pairs/s; patches through "
+            f"the tower {core['patches_run']} against {r['patches_run']}; against the uncached core: max |dlogit| "
+            f"{core['vs_nocache']['max_abs_logit_diff']:.2e}, same ranking {core['vs_nocache']['queries_same_ranking']}"
+            f"/{core['vs_nocache']['queries']} queries")
     if "core-fp8" in results or "skipped" in results:
         base = results.get("core-compiled", core)
         b = results["bf16_vs_fp32"]
@@ -615,7 +647,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         log(f"core set-up: fused kernels {kernels}, padded batches (the {reranker.family.NAME} family does not pack)")
     pipeline = {"prepare_workers": args.workers if args.workers == "auto" else int(args.workers),
-                "first_batch": args.first_batch if args.first_batch == "auto" else int(args.first_batch)}
+                "first_batch": args.first_batch if args.first_batch == "auto" else int(args.first_batch),
+                "vision_cache_gib": args.vision_cache_gib if args.vision_cache_gib == "auto"
+                else float(args.vision_cache_gib)}
     run_core_variants(args, reranker, pairs, device, params, peaks, ref, pipeline, results, scores)
     if args.prefix_reuse and refused(reranker.family, "pack_pairs"):
         log(f"--prefix-reuse skipped: prefix reuse runs inside packed batches and the {reranker.family.NAME} family "

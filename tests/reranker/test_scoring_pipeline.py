@@ -11,6 +11,7 @@ from PIL import Image
 
 from lychee_pipeline.reranker import Reranker
 from lychee_pipeline.reranker.collate import BrokenImageError, PairCollator, image_size, load_image
+from lychee_pipeline.reranker.vision_cache import VisionFeatureCache
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +59,11 @@ def _pairs(images, jpegs):
 
 def serial_scores(scorer: Reranker, pairs, bounds=None) -> list[float]:
     """The scoring loop as it was before the pipeline, written out: whole chunk prepared (images decoded),
-    sorted by token count, batched, one batch at a time. ``bounds``: other chunks than every chunk_size."""
+    sorted by token count, batched, one batch at a time. ``bounds``: other chunks than every chunk_size. With the
+    scorer's vision feature cache on, a fresh one of its own: an image's features then come from the same batch as
+    the scorer's (its first), so the scores match bit for bit."""
     out = [0.0] * len(pairs)
+    cache = None if scorer.vision_cache is None else VisionFeatureCache(scorer.vision_cache.max_bytes)
     collator = PairCollator(scorer.model.processor, scorer.collator.max_length, scorer.collator.min_pixels,
                             scorer.collator.max_pixels)
     if bounds is None:
@@ -70,7 +74,8 @@ def serial_scores(scorer: Reranker, pairs, bounds=None) -> list[float]:
             order = sorted(range(len(chunk)), key=lambda i: chunk[i][2])
             for b in range(0, len(order), scorer.batch_size):
                 idx = order[b : b + scorer.batch_size]
-                probs = scorer.model.probabilities(scorer.model(**collator.encode([chunk[i] for i in idx])))
+                batch = scorer.model.host_inputs(collator.encode([chunk[i] for i in idx]), keyed_images=cache is not None)
+                probs = scorer.model.probabilities(scorer.model(**batch, vision_cache=cache))
                 for i, p in zip(idx, probs.float().tolist()):
                     out[start + i] = float(p)
     return out

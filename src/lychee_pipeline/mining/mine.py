@@ -86,13 +86,17 @@ def _rng(seed: int, record_id: str) -> random.Random:
     return random.Random(int.from_bytes(hashlib.blake2b(f"{seed}:{record_id}".encode(), digest_size=8).digest(), "big"))
 
 
+# reranker options that change how fast scores come, never the scores (a cached score stays valid across them)
+SPEED_ONLY_OPTIONS = ("batch_size", "device", "tiny_cache_dir", "prefix_reuse", "vision_cache_gib")
+
+
 def model_key(model: str, adapter: str | None, reranker: Mapping[str, Any], instruction: str | None) -> str:
     """What the cached scores depend on: the model (and, for a folder, its config and weights' stamps)."""
     stamps = []
     for folder in (model, adapter):
         if folder and Path(folder).is_dir():
             stamps += [f"{p.name}={file_stamp(str(p))}" for p in sorted(Path(folder).iterdir()) if p.is_file()]
-    budget = {k: v for k, v in sorted(reranker.items()) if k not in ("batch_size", "device", "tiny_cache_dir")}
+    budget = {k: v for k, v in sorted(reranker.items()) if k not in SPEED_ONLY_OPTIONS}
     return json.dumps([model, adapter, budget, instruction, stamps], sort_keys=True, default=str)
 
 

@@ -25,6 +25,7 @@ from .families import family_of, family_of_model, refused, require_fast_path
 
 if TYPE_CHECKING:
     from .processing import ProcessingConfig
+    from .vision_cache import VisionFeatureCache
 
 log = logging.getLogger(__name__)
 
@@ -249,13 +250,15 @@ class LycheeReranker(nn.Module):
             raise ValueError("inputs must be left padded: the last position of every row has to be a real token")
         return inputs
 
-    def host_inputs(self, batch: dict[str, Any], share_prefixes: bool = False) -> dict[str, Any]:
+    def host_inputs(self, batch: dict[str, Any], share_prefixes: bool = False,
+                    keyed_images: bool = False) -> dict[str, Any]:
         """``batch`` (processor outputs, on the CPU) as :meth:`forward` takes it, with the work that depends only
         on the inputs' shapes done here, on the host: for a model that packs pairs, the packed sequence, its
         positions and the vision tower's grid-derived inputs (a :class:`~.packing.PackedBatch` under
         ``"packed"``). Call it where the batch is prepared (the scorer's preparing thread), so that the forward
         never waits for the device to read them back; unchanged for a model that pads. ``share_prefixes``: pairs
-        that begin alike share one prefix segment (``reranker/prefix.py``; packed models only)."""
+        that begin alike share one prefix segment (``reranker/prefix.py``; packed models only). ``keyed_images``:
+        each image's key for a vision feature cache (``reranker/vision_cache.py``; packed models only)."""
         if share_prefixes:
             self.require_prefix_reuse()
         if not self.config.pack_pairs:
@@ -263,7 +266,7 @@ class LycheeReranker(nn.Module):
         from .packing import pack_batch
 
         model_inputs = {k: v for k, v in batch.items() if k not in NON_MODEL_KEYS}
-        return {"packed": pack_batch(self.base_model.model, model_inputs, share_prefixes),
+        return {"packed": pack_batch(self.base_model.model, model_inputs, share_prefixes, keyed_images),
                 **{k: v for k, v in batch.items() if k in NON_MODEL_KEYS}}
 
     def require_prefix_reuse(self) -> None:
@@ -276,18 +279,19 @@ class LycheeReranker(nn.Module):
             raise ValueError(f"prefix_reuse: the {self.family.NAME} family does not support it: {reason}; "
                              "set prefix_reuse: false")
 
-    def forward(self, **batch: Any) -> torch.Tensor:
+    def forward(self, vision_cache: VisionFeatureCache | None = None, **batch: Any) -> torch.Tensor:
         """Tensor[N, 2] (fp32) of (yes, no) logits at the last position.
 
         Takes every processor output (input_ids, attention_mask, pixel_values, image_grid_thw,
         mm_token_type_ids, ...), or what :meth:`host_inputs` made of them; ``labels`` and ``group_size`` from the
-        group collator are ignored.
+        group collator are ignored. ``vision_cache``: a packed batch's images with keys take the features already
+        computed for them (``reranker/vision_cache.py``; the scorer passes its own); ignored by a model that pads.
         """
         if self.config.pack_pairs:  # the pairs as one sequence without padding, scored at each pair's end
             from .packing import packed_last_hidden
 
             inputs = batch.get("packed") or {k: v for k, v in batch.items() if k not in NON_MODEL_KEYS}
-            last = packed_last_hidden(self.base_model.model, inputs)
+            last = packed_last_hidden(self.base_model.model, inputs, vision_cache)
         else:
             inputs = self._model_inputs(batch)
             last = self.base_model.model(**inputs, use_cache=False, return_dict=True).last_hidden_state[:, -1, :]

@@ -41,6 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .vision_cache import ImageFeatures, VisionFeatureCache, cached_tower_features, image_keys, tower_features
+
 PACKED_ATTENTION = "lychee_packed_sdpa"
 PLAN_KWARG = "lychee_pack_cu_seqlens"  # the keyword the plan travels under, from the model's forward to attention
 _REGISTERED = False
@@ -331,6 +333,7 @@ class PackedBatch:
     key_rows: torch.Tensor | None = None  # shared prefixes: the rows each segment's keys are gathered from
     cu_seqlens_k: torch.Tensor | None = None  # ... their bounds (int32)
     longest_key: int = 0
+    image_keys: tuple[bytes, ...] | None = None  # the vision feature cache's key of each image (vision_cache.py)
 
     def _map(self, fn) -> PackedBatch:
         from .families.segments import map_segment_rows
@@ -364,13 +367,15 @@ class PackedBatch:
         return bounds
 
 
-def pack_batch(vl_model: nn.Module, batch: dict[str, Any], share_prefixes: bool = False) -> PackedBatch:
+def pack_batch(vl_model: nn.Module, batch: dict[str, Any], share_prefixes: bool = False,
+               keyed_images: bool = False) -> PackedBatch:
     """The :class:`PackedBatch` of a padded batch (processor outputs). Works on the host: a batch already on
     the device is read back here (its token ids, mask, token types and grids; the first read waits for the
     device), the pixels stay where they are (host pixels are cast to the vision tower's dtype). ``vl_model`` is the
     ``Qwen2_5_VLModel`` (its config, ``get_rope_index`` and the tower's dtype); its family computes the vision
     tower's grid-derived inputs. ``share_prefixes``: pairs that begin alike share one prefix segment
-    (``reranker/prefix.py``; needs host pixels)."""
+    (``reranker/prefix.py``; needs host pixels). ``keyed_images``: each image's key for the vision feature cache
+    (``reranker/vision_cache.py``), hashed from host pixels (a batch whose pixels are on the device gets none)."""
     from .families import family_of_model
 
     if batch.get("pixel_values_videos") is not None or batch.get("video_grid_thw") is not None:
@@ -384,19 +389,21 @@ def pack_batch(vl_model: nn.Module, batch: dict[str, Any], share_prefixes: bool 
         # (float32 pixels of 32 images at the default pixel budget are ~770 MB) and the scores are the same
         pixels = pixels.to(vl_model.visual.dtype)
     input_ids, position_ids = inputs["input_ids"], inputs["position_ids"][1:]
-    keys: dict[str, Any] = {}
+    extra: dict[str, Any] = {}  # the shared prefixes' key gather, the image keys
     if share_prefixes:
-        input_ids, position_ids, plan, last_index, pixels, grid, keys = _with_shared_prefixes(
+        input_ids, position_ids, plan, last_index, pixels, grid, extra = _with_shared_prefixes(
             vl_model, input_ids, position_ids, plan, pixels, grid)
     vision_to_device, vision_on_host, image_rows = {}, {}, None
     if pixels is not None:
         image_rows = (input_ids[0] == vl_model.config.image_token_id).nonzero().squeeze(1)
         vision_to_device, vision_on_host = family_of_model(vl_model).vision_inputs_on_host(
             vl_model.config.vision_config, grid)
+        if keyed_images and pixels.device.type == "cpu":
+            extra["image_keys"] = image_keys(pixels, grid)
     # the text row of the positions is dropped on purpose: with row 0 present, transformers would also build a
     # dense packed T×T mask; the plan separates the pairs instead
     return PackedBatch(input_ids, position_ids, last_index, plan, plan.as_tensor(), pixels,
-                       image_rows, grid if pixels is not None else None, vision_to_device, vision_on_host, **keys)
+                       image_rows, grid if pixels is not None else None, vision_to_device, vision_on_host, **extra)
 
 
 def _with_shared_prefixes(vl_model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, plan: PackPlan,
@@ -423,13 +430,16 @@ def _with_shared_prefixes(vl_model: nn.Module, input_ids: torch.Tensor, position
             grid, {"key_rows": key_rows, "cu_seqlens_k": cu_keys, "longest_key": longest})
 
 
-def packed_last_hidden(vl_model: nn.Module, batch: dict[str, Any] | PackedBatch) -> torch.Tensor:
+def packed_last_hidden(vl_model: nn.Module, batch: dict[str, Any] | PackedBatch,
+                       vision_cache: VisionFeatureCache | None = None) -> torch.Tensor:
     """[N, hidden]: the last hidden state at every pair's last token, from one packed forward of
     ``vl_model`` (a ``Qwen2_5_VLModel`` whose language model uses :data:`PACKED_ATTENTION`).
 
     ``batch``: a :class:`PackedBatch` on the model's device (nothing is read back from the device), or a padded
     batch, packed here by :func:`pack_batch`. The image features go into the sequence at the rows the plan
-    knows (no count check on the device), and the language model runs on the embeddings."""
+    knows (no count check on the device), and the language model runs on the embeddings. ``vision_cache``: images
+    of a batch with keys (``pack_batch(keyed_images=True)``) already seen take their features from it
+    (``reranker/vision_cache.py``); the others run through the tower and are kept."""
     if any(c._attn_implementation != PACKED_ATTENTION for c in _text_configs(vl_model)):
         raise RuntimeError("the language model is not switched to packed attention: call enable_packed_attention")
     embedding = vl_model.get_input_embeddings()
@@ -437,23 +447,27 @@ def packed_last_hidden(vl_model: nn.Module, batch: dict[str, Any] | PackedBatch)
     embeds = embedding(packed.input_ids)
     deepstack: dict[str, Any] = {}
     if packed.pixel_values is not None:
-        features = vl_model.get_image_features(packed.pixel_values, packed.image_grid_thw, return_dict=True,
-                                               **packed.vision_to_device, **packed.vision_on_host)
-        image_embeds = torch.cat(tuple(features.pooler_output), dim=0).to(embeds.dtype)
-        embeds = embeds.index_copy(1, packed.image_rows, image_embeds.unsqueeze(0))
-        deepstack = _deepstack_inputs(features, packed.image_rows, embeds)
+        if vision_cache is not None and packed.image_keys is not None:
+            features = cached_tower_features(vl_model, packed, vision_cache)
+        else:
+            per_image = tower_features(vl_model, packed.pixel_values, packed.image_grid_thw,
+                                       {**packed.vision_to_device, **packed.vision_on_host})
+            features = ImageFeatures(torch.cat([f.embeds for f in per_image]),
+                                     tuple(torch.cat(layer) for layer in zip(*(f.deepstack for f in per_image))))
+        embeds = embeds.index_copy(1, packed.image_rows, features.embeds.to(embeds.dtype).unsqueeze(0))
+        deepstack = _deepstack_inputs(features.deepstack, packed.image_rows, embeds)
     outputs = vl_model.language_model(inputs_embeds=embeds, position_ids=packed.position_ids, use_cache=False,
                                       return_dict=True, **deepstack, **{PLAN_KWARG: packed.attention_bounds()})
     return outputs.last_hidden_state[0].index_select(0, packed.last_index)
 
 
-def _deepstack_inputs(features: Any, image_rows: torch.Tensor, embeds: torch.Tensor) -> dict[str, Any]:
-    """Qwen3-VL's DeepStack: features of intermediate vision layers that its language model adds at the image rows
-    after each of its first decoder layers (``visual_pos_masks``, ``deepstack_visual_embeds``); {} for a tower
-    without them (Qwen2.5-VL). The language model adds them in the mask's row order, which is the order of
-    ``image_rows`` (ascending, one row per image token, images in sequence order) and of the features."""
-    layers = getattr(features, "deepstack_features", None)
+def _deepstack_inputs(layers: tuple[torch.Tensor, ...], image_rows: torch.Tensor, embeds: torch.Tensor
+                      ) -> dict[str, Any]:
+    """Qwen3-VL's DeepStack: features of intermediate vision layers (one tensor per layer, every image's rows in
+    sequence order) that its language model adds at the image rows after each of its first decoder layers
+    (``visual_pos_masks``, ``deepstack_visual_embeds``); {} for a tower without them (Qwen2.5-VL). The language
+    model adds them in the order of ``image_rows`` (ascending, one row per image token, images in sequence order)."""
     if not layers:
         return {}
     return {"visual_pos_masks": image_rows,  # row indices, not the stock boolean mask (:func:`_deepstack_at_rows`)
-            "deepstack_visual_embeds": [torch.cat(tuple(per_image), dim=0).to(embeds.dtype) for per_image in layers]}
+            "deepstack_visual_embeds": [layer.to(embeds.dtype) for layer in layers]}

@@ -138,6 +138,7 @@ class HostPreparation:
         self.prepare_workers = prepare_workers
         self.first_batch = first_batch
         self.prefix_reuse = False  # pairs that begin alike share one prefix segment (Reranker's prefix_reuse)
+        self.keyed_images = False  # each image hashed for the scorer's vision feature cache (Reranker's vision_cache)
         self.clones: list[PairCollator] = []  # the extra threads' collators, made once and reused
 
     # -- sizes ----------------------------------------------------------------------------------
@@ -187,7 +188,8 @@ class HostPreparation:
     def encode(self, collator: PairCollator, prepared: list[Prepared]) -> dict[str, Any]:
         """The host batch of measured pairs: images decoded, the processor run, the model's host inputs made."""
         # the packed sequence and the grid-derived inputs are worked out here too, off the launching thread
-        batch = self.model.host_inputs(collator.encode([collator.decode(p) for p in prepared]), self.prefix_reuse)
+        batch = self.model.host_inputs(collator.encode([collator.decode(p) for p in prepared]), self.prefix_reuse,
+                                         self.keyed_images)
         if self.model.device.type == "cuda":  # page-locked, so the copy to the GPU is asynchronous
             batch = {k: v.pin_memory() if isinstance(v, (torch.Tensor, PackedBatch)) else v for k, v in batch.items()}
         return batch
