@@ -31,6 +31,24 @@ def make_model(tiny_dir):
     return make
 
 
+QWEN3 = "builtin:tiny-qwen3-vl"
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory) -> str:
+    return str(ensure_tiny(tmp_path_factory.mktemp("tiny") / "qwen3", QWEN3))
+
+
+@pytest.fixture(params=["qwen2_5_vl", "qwen3_vl"])
+def family_model(request, make_model):
+    """``make_model`` for the tiny model of each family."""
+    if request.param == "qwen2_5_vl":
+        return make_model
+    directory = request.getfixturevalue("qwen3_dir")
+    return lambda **overrides: load_reranker(ModelConfig(name_or_path=QWEN3, tiny_cache_dir=directory, **overrides),
+                                             device="cpu")
+
+
 @pytest.fixture(scope="session")
 def images(tmp_path_factory) -> dict[str, str]:
     """A few distinct images 56x56 .. 112x112 (and one non-square), plus a truncated PNG."""

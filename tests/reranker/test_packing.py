@@ -16,24 +16,8 @@ from lychee_pipeline.reranker.collate import GroupCollator, PairCollator
 from lychee_pipeline.reranker.inference import Reranker
 from lychee_pipeline.reranker.losses import listwise_loss
 from lychee_pipeline.reranker.model import ModelConfig, load_reranker
-from lychee_pipeline.reranker.tiny import ensure_tiny
 
 QWEN3 = "builtin:tiny-qwen3-vl"
-
-
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory) -> str:
-    return str(ensure_tiny(tmp_path_factory.mktemp("tiny") / "qwen3", QWEN3))
-
-
-@pytest.fixture(params=["qwen2_5_vl", "qwen3_vl"])
-def family_model(request, make_model):
-    """``make_model`` for the tiny model of each family."""
-    if request.param == "qwen2_5_vl":
-        return make_model
-    directory = request.getfixturevalue("qwen3_dir")
-    return lambda **overrides: load_reranker(ModelConfig(name_or_path=QWEN3, tiny_cache_dir=directory, **overrides),
-                                             device="cpu")
 
 
 def _image(path, w, h, seed):

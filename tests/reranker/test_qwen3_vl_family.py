@@ -18,18 +18,13 @@ from lychee_pipeline.reranker.inference import Reranker
 from lychee_pipeline.reranker.kernels import resolve_kernels
 from lychee_pipeline.reranker.model import ModelConfig, load_reranker, resolve_model_path
 from lychee_pipeline.reranker.processing import ProcessingConfig
-from lychee_pipeline.reranker.tiny import TINY_MODELS, ensure_tiny, recipe_hash, tiny_dir
+from lychee_pipeline.reranker.tiny import TINY_MODELS, recipe_hash, tiny_dir
 
 NAME = "builtin:tiny-qwen3-vl"
 SYSTEM = ('Judge whether the Document meets the requirements based on the Query and the Instruct provided. '
           'Note that the answer can only be "yes" or "no".')
 INSTRUCTION = "Given a search query, retrieve relevant candidates that answer the query."
 BUDGET = {"min_pixels": 4 * 32 * 32, "max_pixels": 1800 * 32 * 32}  # Qwen3-VL-Reranker's
-
-
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory) -> str:
-    return str(ensure_tiny(tmp_path_factory.mktemp("tiny") / "qwen3", NAME))
 
 
 @pytest.fixture

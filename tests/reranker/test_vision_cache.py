@@ -12,8 +12,6 @@ from PIL import Image
 
 from lychee_pipeline.reranker import packing
 from lychee_pipeline.reranker.inference import Reranker
-from lychee_pipeline.reranker.model import ModelConfig, load_reranker
-from lychee_pipeline.reranker.tiny import ensure_tiny
 from lychee_pipeline.reranker.vision_cache import (
     AUTO_CPU_BYTES,
     GIB,
@@ -23,22 +21,9 @@ from lychee_pipeline.reranker.vision_cache import (
     image_keys,
 )
 
-QWEN3 = "builtin:tiny-qwen3-vl"
-
-
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory) -> str:
-    return str(ensure_tiny(tmp_path_factory.mktemp("tiny") / "qwen3", QWEN3))
-
-
-@pytest.fixture(params=["qwen2_5_vl", "qwen3_vl"])
-def frozen_model(request, make_model):
-    if request.param == "qwen2_5_vl":
-        model = make_model(finetune="frozen")
-    else:
-        model = load_reranker(ModelConfig(name_or_path=QWEN3, finetune="frozen",
-                                          tiny_cache_dir=request.getfixturevalue("qwen3_dir")), device="cpu")
-    return model.eval()
+@pytest.fixture
+def frozen_model(family_model):
+    return family_model(finetune="frozen").eval()
 
 
 def _image(path, w, h, seed):
