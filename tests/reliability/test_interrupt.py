@@ -87,8 +87,14 @@ def _kedro(root: Path, params: str, log_name: str, *extra: str) -> tuple[subproc
     out = root / log_name
     with open(out, "w") as sink:
         proc = subprocess.Popen([sys.executable, "-m", "kedro", "run", "--pipeline", "full", "--params", params, *extra],
-                                cwd=root, env=env, stdout=sink, stderr=subprocess.STDOUT)
+                                cwd=root, env=env, stdout=sink, stderr=subprocess.STDOUT, preexec_fn=_as_from_a_terminal)
     return proc, out
+
+
+def _as_from_a_terminal() -> None:
+    # a suite started in the background by a non-interactive shell (`make test &`) hands its children SIGINT
+    # ignored, and Python then installs no Ctrl-C handler: kedro gets SIGINT's default, as from a terminal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen, out: Path):

@@ -1,0 +1,102 @@
+"""Where the vision tower's time goes when scoring (CUDA GPU; an attribution tool, not a figure of merit).
+
+    PYTHONPATH=src python benchmarks/vision_tower.py                    # Lychee 7B's tower, 800x800 JPEGs
+    PYTHONPATH=src python benchmarks/vision_tower.py --family qwen3_vl --size 2b
+
+The tower of the 7B architecture (or ``--family`` / ``--size``) with random weights, set up as
+``Reranker.from_pretrained`` sets it up (fast vision path), on the packed batches ``Reranker.batches`` prepares
+from 800x800 JPEG documents (one distinct image per pair, 32 pairs a batch). Prints the tower's time per batch,
+its rate against its matmul FLOPs (2 x tower params x patches) and the measured bf16 matmul rate, and the
+``torch.profiler`` table of its CUDA kernels for one batch (the largest first), grouped by kind: matmuls,
+attention, and everything else (elementwise, norms, copies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+import inference  # noqa: E402
+
+from lychee_pipeline.reranker.inference import Reranker, to_device  # noqa: E402
+from lychee_pipeline.reranker.packing import enable_packed_attention  # noqa: E402
+
+KINDS = (("matmul", ("gemm", "matmul", "cutlass", "sm90_xmma", "nvjet", "cublas")),
+         ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")))
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    for kind, marks in KINDS:
+        if any(mark in lowered for mark in marks):
+            return kind
+    return "other"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=tuple(common.SIZES), default="qwen2_5_vl")
+    parser.add_argument("--size", default=None, help="published size: 7b (qwen2_5_vl); 2b or 8b (qwen3_vl)")
+    parser.add_argument("--pairs", type=int, default=64)
+    parser.add_argument("--rows", type=int, default=30, help="profiler rows shown")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("vision_tower.py needs a CUDA GPU")
+        return 2
+    common.select_architecture(args.family, args.size)
+    device = torch.device("cuda")
+    folder = tempfile.mkdtemp(prefix="lychee_tower_")
+    model = inference.build(False, device, torch.bfloat16, folder)
+    enable_packed_attention(model.base_model)
+    common.family().enable_fast_path(model)
+    paths = inference.jpeg_files(Path(folder) / "jpegs", "jpeg800", args.pairs, 7)
+    pairs = inference.make_pairs(model.processor, args.pairs // 8, 8, 600, 0.5, 448, 7, paths)
+    batches = [to_device(batch, device)["packed"] for _, batch in Reranker(model, batch_size=32).batches(pairs)]
+    vl_model = model.base_model.model
+    tower_params = sum(p.numel() for p in vl_model.visual.parameters())
+    matmul = common.matmul_tflops(device)
+
+    def run(packed):
+        return vl_model.get_image_features(packed.pixel_values, packed.image_grid_thw, return_dict=True,
+                                           **packed.vision_to_device, **packed.vision_on_host)
+
+    with torch.inference_mode():
+        for packed in batches:  # warm-up
+            run(packed)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for packed in batches:
+            run(packed)
+        torch.cuda.synchronize()
+        secs = time.perf_counter() - t0
+        patches = sum(int(p.pixel_values.shape[0]) for p in batches)
+        rate = 2 * tower_params * patches / secs / 1e12
+        print(f"tower: {tower_params / 1e9:.3f}B params, {len(batches)} batches, {patches} patches "
+              f"({patches / sum(len(p.image_keys or ()) or 1 for p in batches):.0f} per image), {secs:.2f} s: "
+              f"{rate:.0f} TFLOP/s of matmul FLOPs = {100 * rate / matmul:.1f}% of the measured {matmul:.0f}")
+        largest = max(batches, key=lambda p: p.pixel_values.shape[0])
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run(largest)
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events)
+    by_kind: dict[str, float] = {}
+    for e in events:
+        by_kind[kind_of(e.key)] = by_kind.get(kind_of(e.key), 0.0) + e.self_device_time_total
+    print(f"one batch of {int(largest.pixel_values.shape[0])} patches: {total / 1e3:.1f} ms of kernels; "
+          + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])))
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.rows]:
+        print(f"{100 * e.self_device_time_total / total:5.1f}%  {e.self_device_time_total / 1e3:7.2f} ms "
+              f"{e.count:5d}x  [{kind_of(e.key)}] {e.key[:110]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
