@@ -250,12 +250,14 @@ def test_an_interrupted_scoring_launch_does_not_promise_a_resume(tmp_path, caplo
     # Ctrl-C as the terminal sends it, once the launcher runs (its Python start alone takes seconds)
     timer = threading.Timer(1.5, signal.raise_signal, (signal.SIGINT,))
     caplog.set_level("WARNING", logger="lychee_pipeline.runtime.launcher")
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's Python (see _as_from_a_terminal)
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             launch_scoring(spec, 1, "cpu")
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, handler)
     assert f"stage scoring: stopped; its folder {work} is left as it is (launch.log says how far it got); the " \
            "next run starts this work again" in caplog.text, caplog.text
     assert "training.resume" not in caplog.text
