@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python benchmarks/vision_tower.py                    # Lychee 7B's tower, 800x800 JPEGs
     PYTHONPATH=src python benchmarks/vision_tower.py --family qwen3_vl --size 2b
+    PYTHONPATH=src python benchmarks/vision_tower.py --tiny     # the same code paths on a CPU (host times)
 
 The tower of the 7B architecture (or ``--family`` / ``--size``) with random weights, set up as
 ``Reranker.from_pretrained`` sets it up (fast vision path), on the packed batches ``Reranker.batches`` prepares
@@ -28,7 +29,8 @@ import inference  # noqa: E402
 from lychee_pipeline.reranker.inference import Reranker, to_device  # noqa: E402
 from lychee_pipeline.reranker.packing import enable_packed_attention  # noqa: E402
 
-KINDS = (("matmul", ("gemm", "matmul", "cutlass", "sm90_xmma", "nvjet", "cublas")),
+KINDS = (("matmul", ("gemm", "matmul", "cutlass", "sm90_xmma", "nvjet", "cublas", "aten::mm", "aten::addmm",
+                     "aten::linear", "aten::bmm")),
          ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")))
 
 
@@ -46,14 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default=None, help="published size: 7b (qwen2_5_vl); 2b or 8b (qwen3_vl)")
     parser.add_argument("--pairs", type=int, default=64)
     parser.add_argument("--rows", type=int, default=30, help="profiler rows shown")
+    parser.add_argument("--tiny", action="store_true", help="the tiny architecture on the CPU (fp32)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("vision_tower.py needs a CUDA GPU")
+    if not args.tiny and not torch.cuda.is_available():
+        print("vision_tower.py needs a CUDA GPU (or --tiny)")
         return 2
     common.select_architecture(args.family, args.size)
-    device = torch.device("cuda")
+    device = torch.device("cpu" if args.tiny else "cuda")
     folder = tempfile.mkdtemp(prefix="lychee_tower_")
-    model = inference.build(False, device, torch.bfloat16, folder)
+    model = inference.build(args.tiny, device, torch.float32 if args.tiny else torch.bfloat16, folder)
     enable_packed_attention(model.base_model)
     common.family().enable_fast_path(model)
     paths = inference.jpeg_files(Path(folder) / "jpegs", "jpeg800", args.pairs, 7)
@@ -70,30 +73,36 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for packed in batches:  # warm-up
             run(packed)
-        torch.cuda.synchronize()
+        common.sync(device)
         t0 = time.perf_counter()
         for packed in batches:
             run(packed)
-        torch.cuda.synchronize()
+        common.sync(device)
         secs = time.perf_counter() - t0
         patches = sum(int(p.pixel_values.shape[0]) for p in batches)
         rate = 2 * tower_params * patches / secs / 1e12
-        print(f"tower: {tower_params / 1e9:.3f}B params, {len(batches)} batches, {patches} patches "
+        print(f"tower: {tower_params / 1e6:.1f}M params, {len(batches)} batches, {patches} patches "
               f"({patches / sum(len(p.image_keys or ()) or 1 for p in batches):.0f} per image), {secs:.2f} s: "
-              f"{rate:.0f} TFLOP/s of matmul FLOPs = {100 * rate / matmul:.1f}% of the measured {matmul:.0f}")
+              f"{rate:.3g} TFLOP/s of matmul FLOPs = {100 * rate / matmul:.1f}% of the measured {matmul:.3g}")
         largest = max(batches, key=lambda p: p.pixel_values.shape[0])
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        activity = torch.profiler.ProfilerActivity.CUDA if device.type == "cuda" else torch.profiler.ProfilerActivity.CPU
+        with torch.profiler.profile(activities=[activity]) as prof:
             run(largest)
-            torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    total = sum(e.self_device_time_total for e in events)
+            common.sync(device)
+
+    def own_time(e) -> float:  # microseconds: the kernels' on a GPU, the operators' own host time on a CPU
+        return e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total
+
+    events = [e for e in prof.key_averages() if own_time(e) > 0]
+    total = sum(own_time(e) for e in events)
     by_kind: dict[str, float] = {}
     for e in events:
-        by_kind[kind_of(e.key)] = by_kind.get(kind_of(e.key), 0.0) + e.self_device_time_total
-    print(f"one batch of {int(largest.pixel_values.shape[0])} patches: {total / 1e3:.1f} ms of kernels; "
+        by_kind[kind_of(e.key)] = by_kind.get(kind_of(e.key), 0.0) + own_time(e)
+    print(f"one batch of {int(largest.pixel_values.shape[0])} patches: {total / 1e3:.1f} ms of "
+          f"{'kernels' if device.type == 'cuda' else 'operators'}; "
           + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])))
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.rows]:
-        print(f"{100 * e.self_device_time_total / total:5.1f}%  {e.self_device_time_total / 1e3:7.2f} ms "
+    for e in sorted(events, key=lambda e: -own_time(e))[: args.rows]:
+        print(f"{100 * own_time(e) / total:5.1f}%  {own_time(e) / 1e3:7.2f} ms "
               f"{e.count:5d}x  [{kind_of(e.key)}] {e.key[:110]}")
     return 0
 
