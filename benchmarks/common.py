@@ -49,11 +49,7 @@ def architecture_name(tiny: bool = False) -> str:
 
 def disable_fast_path(model) -> None:
     """The selected family's stock vision path again (benchmarks switch variants on one model)."""
-    if ARCHITECTURE["family"] == "qwen2_5_vl":
-        from lychee_pipeline.reranker.families.qwen2_5_vl.fast_vision import disable_fast_path as plain
-    else:
-        from lychee_pipeline.reranker.families.qwen3_vl.vision import disable_fast_path as plain
-    plain(model)
+    family().disable_fast_path(model)
 
 
 def tiny_name() -> str:

@@ -57,6 +57,7 @@ from lychee_pipeline.reranker.kernels import apply_kernels  # noqa: E402
 from lychee_pipeline.reranker.model import LycheeReranker, ModelConfig, single_token_id  # noqa: E402
 from lychee_pipeline.reranker import packing  # noqa: E402
 from lychee_pipeline.reranker.packing import enable_packed_attention  # noqa: E402
+from lychee_pipeline.reranker.prefix import resolve_prefix_reuse  # noqa: E402
 from lychee_pipeline.reranker.tiny import ensure_tiny  # noqa: E402
 from lychee_pipeline.reranker.vision_cache import VisionFeatureCache  # noqa: E402
 
@@ -339,10 +340,11 @@ def warm_up(scorer: Reranker, pairs) -> None:
 
 
 def cache_note(scorer: Reranker) -> str:
+    reuse = ", prefix reuse" if scorer.prefix_reuse else ""
     if scorer.vision_cache is None:
-        return ", no vision cache"
+        return f"{reuse}, no vision cache"
     stats = scorer.vision_cache.stats()
-    return (f", vision cache {stats['max_bytes'] / 2**30:.1f} GiB: {stats['through_tower']} of {stats['images']} "
+    return (f"{reuse}, vision cache {stats['max_bytes'] / 2**30:.1f} GiB: {stats['through_tower']} of {stats['images']} "
             f"images through the tower")
 
 
@@ -356,13 +358,19 @@ def time_core(reranker, pairs, batch_size: int, options: dict, device, params, p
     return r
 
 
-def prefix_variant(reranker, pairs, args, pipeline: dict, device, params, peaks, plain: list[float]) -> dict:
-    """The core with ``prefix_reuse=True`` beside the plain core: its rates and tokens, its scores against the
-    plain core's."""
-    r = time_core(reranker, pairs, args.batch_size, {**pipeline, "prefix_reuse": True}, device, params, peaks,
-                  f"Reranker.score_pairs(prefix_reuse=True), batch {args.batch_size}: a query's prefix once a batch")
-    r["vs_core"] = compare(plain, r["scores"], args.docs)
-    return r
+def prefix_variant(reranker, pairs, args, pipeline: dict, device, params, peaks,
+                   core_scores: list[float]) -> tuple[str, dict]:
+    """The core with prefix reuse the other way from its default (``auto``: on a CUDA GPU, off on a CPU), so the
+    run shows it on and off: ``("core-noprefix" or "core-prefix", its rates, tokens and scores against the
+    core's)``."""
+    core_reuses = resolve_prefix_reuse(pipeline.get("prefix_reuse", "auto"), reranker.config.pack_pairs,
+                                       refused(reranker.family, "prefix_reuse"), reranker.device)
+    name = "core-noprefix" if core_reuses else "core-prefix"
+    r = time_core(reranker, pairs, args.batch_size, {**pipeline, "prefix_reuse": not core_reuses}, device, params,
+                  peaks, f"Reranker.score_pairs(prefix_reuse={not core_reuses}), batch {args.batch_size}"
+                  + ("" if core_reuses else ": a query's prefix once a batch"))
+    r["vs_core"] = compare(core_scores, r["scores"], args.docs)
+    return name, r
 
 
 def fp8_variants(reranker, pairs, args, pipeline: dict, device, params, peaks, bf16_scores: list[float]) -> dict:
@@ -426,8 +434,8 @@ def argument_parser() -> argparse.ArgumentParser:
                                                                "batch; auto: batch/4 on a GPU, 0 on a CPU)")
     parser.add_argument("--previous", action="store_true", help="also time the core as it was before the pool and "
                                                                  "the first-batch split (one thread, no split)")
-    parser.add_argument("--prefix-reuse", action="store_true", help="also time the core with prefix_reuse=True "
-                        "(core-prefix: a query's shared prefix once per batch) beside the plain core")
+    parser.add_argument("--prefix-reuse", action="store_true", help="also time the core with prefix reuse the other "
+                        "way from its default (auto: on a CUDA GPU): core-noprefix there, core-prefix on a CPU")
     parser.add_argument("--vision-cache-gib", default="auto", help="the core's vision_cache_gib (auto, a number of "
                         "GiB, 0: off); when on, core-nocache runs the same core without it")
     parser.add_argument("--fp8", action="store_true", help="last: fp32 reference scores, then the core with "
@@ -570,11 +578,14 @@ def print_summary(args, env: dict, peaks: dict, results: dict, n_pairs: int) -> 
         if isinstance(r, dict) and "pairs_per_s" in r and name != "naive" and naive is not None:
             log(f"{name} / naive: {r['pairs_per_s'] / naive['pairs_per_s']:.2f}x")
     core = results["core"]
-    if "core-prefix" in results:
-        r, c = results["core-prefix"], results["core-prefix"]["vs_core"]
-        log(f"prefix reuse: {r['pairs_per_s'] / core['pairs_per_s']:.2f}x the plain core's pairs/s; tokens run "
-            f"{r['tokens_run']} against {core['tokens_run']} ({100 * (1 - r['tokens_run'] / core['tokens_run']):.1f}% "
-            f"saved); against the plain core: max |dlogit| {c['max_abs_logit_diff']:.2e}, same ranking "
+    for variant in ("core-prefix", "core-noprefix"):
+        if variant not in results:
+            continue
+        on, off = (results[variant], core) if variant == "core-prefix" else (core, results[variant])
+        c = results[variant]["vs_core"]
+        log(f"prefix reuse: {on['pairs_per_s'] / off['pairs_per_s']:.2f}x the core's pairs/s without it; tokens run "
+            f"{on['tokens_run']} against {off['tokens_run']} ({100 * (1 - on['tokens_run'] / off['tokens_run']):.1f}% "
+            f"saved); {variant} against the core: max |dlogit| {c['max_abs_logit_diff']:.2e}, same ranking "
             f"{c['queries_same_ranking']}/{c['queries']} queries")
     if "core-nocache" in results:
         r = results["core-nocache"]
@@ -655,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"--prefix-reuse skipped: prefix reuse runs inside packed batches and the {reranker.family.NAME} family "
             f"does not pack ({refused(reranker.family, 'pack_pairs')})")
     elif args.prefix_reuse:
-        results["core-prefix"] = prefix_variant(reranker, pairs, args, pipeline, device, params, peaks, scores["core"])
+        name, results[name] = prefix_variant(reranker, pairs, args, pipeline, device, params, peaks, scores["core"])
     if args.images != "memory":
         run_device_alone(args, reranker, pairs, device, params, peaks, pipeline, results, scores)
     if args.fast_check > 0:  # the fast vision path alone: same scorer, same batches, with and without it

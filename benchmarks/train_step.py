@@ -63,7 +63,6 @@ from lychee_pipeline.reranker import kernels as fused_kernels  # noqa: E402
 from lychee_pipeline.reranker import lora_branch  # noqa: E402
 from lychee_pipeline.reranker import packing  # noqa: E402
 from lychee_pipeline.reranker.families import require_fast_path  # noqa: E402
-from lychee_pipeline.reranker.families.qwen2_5_vl.fast_vision import disable_fast_path  # noqa: E402
 from lychee_pipeline.reranker.losses import LossOptions, get_loss, listwise_loss  # noqa: E402
 from lychee_pipeline.reranker.model import (  # noqa: E402
     LycheeReranker,
@@ -230,13 +229,11 @@ def configure(reranker: LycheeReranker, spec: dict) -> None:
     if family.NAME != "qwen2_5_vl":  # only Qwen2.5-VL has the batched-window vision path
         if spec["fast"] == "windows":
             raise SystemExit(f"variant {spec.get('name')}: the {family.NAME} family has no batched-window vision path")
-        from lychee_pipeline.reranker.families.qwen3_vl.vision import disable_fast_path as plain_tower
-
-        plain_tower(reranker)
+        family.disable_fast_path(reranker)
         if spec["fast"] == "all":
             family.enable_fast_path(reranker)  # its frozen tower without autograd
     else:
-        disable_fast_path(reranker)
+        family.disable_fast_path(reranker)
         if spec["fast"] == "all":
             family.enable_fast_path(reranker)
         elif spec["fast"] == "windows":

@@ -65,13 +65,19 @@ def main(argv: list[str] | None = None) -> int:
     vl_model = model.base_model.model
     tower_params = sum(p.numel() for p in vl_model.visual.parameters())
     matmul = common.matmul_tflops(device)
+    patches = sum(int(p.pixel_values.shape[0]) for p in batches)
+    largest = max(batches, key=lambda p: p.pixel_values.shape[0])
+    print(f"tower: {tower_params / 1e6:.1f}M params, {len(batches)} batches, {patches} patches "
+          f"({patches / sum(len(p.image_keys or ()) or 1 for p in batches):.0f} per image); rates are matmul FLOPs "
+          f"(2 x tower params x patches) over the time, against the measured bf16 matmul rate {matmul:.3g} TFLOP/s")
 
     def run(packed):
         return vl_model.get_image_features(packed.pixel_values, packed.image_grid_thw, return_dict=True,
                                            **packed.vision_to_device, **packed.vision_on_host)
 
-    with torch.inference_mode():
-        for packed in batches:  # warm-up
+    @torch.inference_mode()
+    def measure(label: str, reference: torch.Tensor | None = None) -> torch.Tensor:
+        for packed in batches:  # warm-up (kernels chosen, Triton compiled)
             run(packed)
         common.sync(device)
         t0 = time.perf_counter()
@@ -79,13 +85,35 @@ def main(argv: list[str] | None = None) -> int:
             run(packed)
         common.sync(device)
         secs = time.perf_counter() - t0
-        patches = sum(int(p.pixel_values.shape[0]) for p in batches)
         rate = 2 * tower_params * patches / secs / 1e12
-        print(f"tower: {tower_params / 1e6:.1f}M params, {len(batches)} batches, {patches} patches "
-              f"({patches / sum(len(p.image_keys or ()) or 1 for p in batches):.0f} per image), {secs:.2f} s: "
-              f"{rate:.3g} TFLOP/s of matmul FLOPs = {100 * rate / matmul:.1f}% of the measured {matmul:.3g}")
-        largest = max(batches, key=lambda p: p.pixel_values.shape[0])
-        activity = torch.profiler.ProfilerActivity.CUDA if device.type == "cuda" else torch.profiler.ProfilerActivity.CPU
+        features = torch.cat(run(largest).pooler_output).float()
+        parity = ("" if reference is None else
+                  f"; features against the first line's: max |d| {(features - reference).abs().max().item():.3g} "
+                  f"(their max |x| {reference.abs().max().item():.3g})")
+        print(f"{label:<58} {secs:6.2f} s  {rate:6.3g} TFLOP/s = {100 * rate / matmul:5.1f}% of measured{parity}")
+        return features
+
+    # the steps of the tower's fast path, one at a time on the same batches: each line adds one
+    from lychee_pipeline.reranker import kernels
+    from lychee_pipeline.reranker.families.patch_embed import disable_matmul_patch_embed
+
+    disable_matmul_patch_embed(model)
+    reference = measure("fast path, patch embedding as Conv3d (before 2026-12-06)")
+    common.family().enable_fast_path(model)
+    measure("+ patch embedding as a matmul", reference)
+    applied = kernels.apply_kernels(model.base_model, "auto", device)
+    if applied == "liger":
+        measure("+ liger: vision RMSNorm, SwiGLU and rotary (the default)", reference)
+        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf  # the family liger is applied to
+
+        ours, hf.apply_rotary_pos_emb_vision = hf.apply_rotary_pos_emb_vision, kernels._STOCK_VISION_ROTARY
+        measure("  the same with the stock vision rotary (its share)", reference)
+        hf.apply_rotary_pos_emb_vision = ours
+    else:
+        print(f"fused kernels: {applied} (the family or the machine does not take liger)")
+
+    activity = torch.profiler.ProfilerActivity.CUDA if device.type == "cuda" else torch.profiler.ProfilerActivity.CPU
+    with torch.inference_mode():
         with torch.profiler.profile(activities=[activity]) as prof:
             run(largest)
             common.sync(device)

@@ -67,7 +67,8 @@ def test_batched_windows_equal_stock_vision_tower(grids):
     pixels, grid = _pixels(grids)
     with torch.no_grad():
         stock = model(pixels, grid_thw=grid)
-    handle = qwen2_5_vl.enable_fast_path(model)
+    # the patch embedding as a matmul sums in another order (its own test below): left out of this exact comparison
+    handle = qwen2_5_vl.enable_fast_path(model, matmul_patch_embed=False)
     assert len(handle.attention_modules) == 4 and len(handle.vision_towers) == 1
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -191,3 +192,45 @@ def test_checkpoint_layers_for_budget():
     assert 20 * gib + 8000 * ((kept + 1) * per + (k - 1) * 8 * 1024) > 40 * gib
     assert checkpoint_layers_for_budget(28, 10, 40 * gib, 1 * gib, per) == 0
     assert checkpoint_layers_for_budget(28, 10**7, 40 * gib, 1 * gib, per) == 28
+
+
+def test_patch_embedding_as_a_matmul_equals_the_convolution(family_model):
+    """Both families' fast path runs the patch embedding's Conv3d (stride == kernel) as one matmul over the flattened
+    pixel rows: the same features in fp32 (also with Qwen3-VL's bias), restored by the family's disable."""
+    from lychee_pipeline.reranker.families import family_of_model
+    from lychee_pipeline.reranker.families.patch_embed import STOCK_FORWARD, is_patchwise_conv
+
+    model = family_model()  # loaded with the fast path on (ModelConfig.fast_path)
+    embeds = [m for m in model.modules() if type(m).__name__.endswith("PatchEmbed")]
+    assert len(embeds) == 1 and is_patchwise_conv(embeds[0].proj)
+    embed = embeds[0]
+    assert STOCK_FORWARD in embed.__dict__  # switched
+    rows = torch.randn(40, embed.proj.weight[0].numel(), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.nn.init.normal_(embed.proj.weight)
+        if embed.proj.bias is not None:
+            torch.nn.init.normal_(embed.proj.bias)
+        fast = embed(rows)
+        stock = embed.__dict__[STOCK_FORWARD](rows)
+    assert fast.shape == stock.shape == (40, embed.proj.out_channels)
+    # sums of 1,176 (Qwen2.5-VL) or 1,536 (Qwen3-VL) products: only the fp32 summation order differs
+    torch.testing.assert_close(fast, stock, rtol=0, atol=2e-6 * stock.abs().max().item())
+    assert stock.abs().max() > 1
+    family_of_model(model).disable_fast_path(model)
+    assert "forward" not in embed.__dict__ and STOCK_FORWARD not in embed.__dict__
+
+
+def test_only_patchwise_convolutions_become_matmuls():
+    from lychee_pipeline.reranker.families.patch_embed import enable_matmul_patch_embed, is_patchwise_conv
+
+    class Embed(torch.nn.Module):
+        def __init__(self, stride):
+            super().__init__()
+            self.proj = torch.nn.Conv3d(3, 8, kernel_size=(2, 4, 4), stride=stride, bias=False)
+
+    overlapping, patchwise = Embed((1, 2, 2)), Embed((2, 4, 4))
+    assert not is_patchwise_conv(overlapping.proj) and is_patchwise_conv(patchwise.proj)
+    assert not is_patchwise_conv(torch.nn.Linear(3, 3))
+    holder = torch.nn.ModuleList([overlapping, patchwise])
+    assert enable_matmul_patch_embed(holder, (Embed,)) == [patchwise]
+    assert enable_matmul_patch_embed(holder, (Embed,)) == []  # idempotent

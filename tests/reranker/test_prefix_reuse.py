@@ -135,7 +135,23 @@ def test_prefix_reuse_is_refused_where_the_family_refuses_it(make_model, monkeyp
 def test_from_pretrained_takes_prefix_reuse(tiny_dir):
     scorer = Reranker.from_pretrained("builtin:tiny", device="cpu", tiny_cache_dir=tiny_dir, prefix_reuse=True)
     assert scorer.prefix_reuse and scorer.preparation.prefix_reuse
-    assert not Reranker.from_pretrained("builtin:tiny", device="cpu", tiny_cache_dir=tiny_dir).prefix_reuse
+    assert not Reranker.from_pretrained("builtin:tiny", device="cpu", tiny_cache_dir=tiny_dir).prefix_reuse  # auto
+
+
+def test_prefix_reuse_auto_is_on_only_where_attention_is_one_varlen_call(monkeypatch):
+    """``prefix_reuse: auto`` (the default): on where the packed batch's attention is one variable-length flash call
+    per layer (a CUDA GPU, whose readiness check is stood in for here: this machine has none), off on a CPU, for a
+    padded model or a family that refuses it; anything but auto / true / false is a one-line error."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert prefix.resolve_prefix_reuse("auto", True, None, cpu) is False  # the real check on this machine
+    assert prefix.resolve_prefix_reuse(True, True, None, cpu) is True and prefix.resolve_prefix_reuse(False, True,
+                                                                                                     None, gpu) is False
+    monkeypatch.setattr(packing, "varlen_attention_ready", lambda device: torch.device(device).type == "cuda")
+    assert prefix.resolve_prefix_reuse("auto", True, None, gpu) is True
+    assert prefix.resolve_prefix_reuse("auto", False, None, gpu) is False  # padded pairs
+    assert prefix.resolve_prefix_reuse("auto", True, "no shared prefix in this family", gpu) is False
+    with pytest.raises(ValueError, match=r"^prefix_reuse must be auto, true or false, got 'yes'$"):
+        prefix.resolve_prefix_reuse("yes", True, None, gpu)
 
 
 def test_the_variable_length_kernels_inputs_give_the_masked_attention(make_model, tmp_path):

@@ -19,7 +19,9 @@ import torch
 
 from .collate import DEFAULT_MAX_LENGTH, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PairCollator
 from .model import LycheeReranker, ModelConfig, load_reranker, processing_of, read_metadata
+from .families import refused
 from .packing import PackedBatch
+from .prefix import resolve_prefix_reuse
 from .preparation import HostPreparation
 from .processing import ProcessingConfig
 from .prompt import instruction_for
@@ -139,7 +141,7 @@ class Reranker:
         prefetch_batches: int = 2,
         prepare_workers: int | str = "auto",
         first_batch: int | str = "auto",
-        prefix_reuse: bool = False,
+        prefix_reuse: bool | str = "auto",
         vision_cache_gib: float | str | None = "auto",
     ):
         if batch_size < 1:
@@ -164,10 +166,13 @@ class Reranker:
         self.processing = ProcessingConfig(max_length, min_pixels, max_pixels, instructions)
         # prefix_reuse: a query's shared prompt prefix (system prompt, instruction, the query's text and image) runs
         # through the language model once per batch, each candidate attending to it (reranker/prefix.py); the
-        # scores are the plain packed path's. Refused in one line for a model that does not pack pairs.
-        if prefix_reuse:
+        # scores are the plain packed path's. Refused in one line for a model that does not pack pairs. auto: on where
+        # the packed attention is one variable-length call per layer (a CUDA GPU; reranker/prefix.py says why).
+        reuse = resolve_prefix_reuse(prefix_reuse, model.config.pack_pairs, refused(model.family, "prefix_reuse"),
+                                     model.device)
+        if reuse:
             model.require_prefix_reuse()
-        self.preparation.prefix_reuse = bool(prefix_reuse)
+        self.preparation.prefix_reuse = reuse
         # vision_cache_gib: the vision tower's features of the images already scored, kept on the device and reused
         # when an image comes again (the same document under many queries; reranker/vision_cache.py); the scores
         # are the uncached path's. auto: the smaller of 4 GiB and 5% of a GPU's memory (2 GiB on a CPU); 0: off.
@@ -225,7 +230,7 @@ class Reranker:
         attn_implementation: str = "sdpa",
         local_files_only: bool = False,
         tiny_cache_dir: str | None = None,
-        prefix_reuse: bool = False,
+        prefix_reuse: bool | str = "auto",
         fp8: bool = False,
         vision_cache_gib: float | str | None = "auto",
     ) -> Reranker:

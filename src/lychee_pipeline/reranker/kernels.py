@@ -5,9 +5,9 @@ product, the rotary embedding, their casts and copies — at about a quarter of 
 switch at load time and measured by ``benchmarks/train_step.py``:
 
 * ``kernels``: ``"liger"`` applies liger-kernel's Triton kernels (a maintained library, the ``gpu`` extra) to the
-  model instance: RMSNorm (language model and vision blocks), SwiGLU (the language model's MLP) and the rotary
-  embedding. ``"auto"`` does so where ``liger_kernel`` is installed and the device is a CUDA GPU, and keeps the
-  plain path otherwise (CPU CI); ``"none"`` never does. Liger's cross-entropy and fused linear cross-entropy
+  model instance: RMSNorm and SwiGLU (language model and vision blocks) and the rotary embeddings (language model
+  and vision tower). ``"auto"`` does so where ``liger_kernel`` is installed and the device is a CUDA GPU, and keeps
+  the plain path otherwise (CPU CI); ``"none"`` never does. Liger's cross-entropy and fused linear cross-entropy
   are not used: the reranker reads two logits, not a vocabulary-wide loss.
 * ``compile_layers``: ``torch.compile`` on every decoder layer (one compiled graph shared by the layers, shapes
   dynamic so a new sequence length does not recompile every step).
@@ -16,7 +16,8 @@ Rotary embedding: transformers 5.x folds Qwen2.5-VL's mRoPE sections into ``cos`
 embedding module, and the attention then calls the plain rotate-half ``apply_rotary_pos_emb``; liger's own
 Qwen2.5-VL switch replaces ``apply_multimodal_rotary_pos_emb``, a function these releases no longer call. So the
 rotate-half function is replaced by liger's standard rope kernel (same layout: ``cos``/``sin`` are two equal
-halves), and the multimodal one only where a transformers release still has it.
+halves), and the multimodal one only where a transformers release still has it. The vision tower's rotary
+function gets the same kernel (:func:`vision_rotary_one_pass`).
 """
 
 from __future__ import annotations
@@ -77,9 +78,29 @@ def _to_liger_rms_norm(norm: nn.Module, liger_cls: type) -> None:
     _bind(norm, liger_cls)
 
 
+_STOCK_VISION_ROTARY: Any = None  # transformers' own function, kept when the first apply_liger replaces it
+
+
+def vision_rotary_one_pass(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``apply_rotary_pos_emb_vision`` (q, k: [patches, heads, head_dim]; the arithmetic in fp32, the
+    result in q's dtype) through liger's rope kernel, which reads each row once, rotates it in fp32 and writes it
+    back in q's dtype. The stock function makes about eight full-size fp32 passes over q and k (the upcast, two
+    products, the rotated half's negation and concatenation, the sum, the downcast) in each of the tower's layers,
+    on ~107k patches a scoring batch of 800x800 images. liger's own vision variant upcasts q and k to fp32 copies
+    first; here cos and sin are fp32 and the kernel upcasts each row as it loads it, which is the same arithmetic."""
+    if not q.is_cuda:  # the replacement is process-wide (as liger's own switches are): a CPU model keeps the stock one
+        return _STOCK_VISION_ROTARY(q, k, cos, sin)
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+    q4, k4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k))  # [1, heads, patches, head_dim] views
+    q_out, k_out = liger_rotary_pos_emb(q4, k4, cos.float(), sin.float())
+    return q_out.transpose(1, 2).squeeze(0), k_out.transpose(1, 2).squeeze(0)
+
+
 def apply_liger(model: nn.Module) -> dict[str, Any]:
-    """liger-kernel's RMSNorm, SwiGLU and rope on a loaded ``Qwen2_5_VLForConditionalGeneration`` (before LoRA is
-    applied). Returns what was replaced, for the log.
+    """liger-kernel's RMSNorm, SwiGLU and rope (language model and vision tower) on a loaded
+    ``Qwen2_5_VLForConditionalGeneration`` (before LoRA is applied). Returns what was replaced, for the log.
 
     The modules of this model instance are switched one by one (the language model's norms and MLPs, the vision
     blocks' norms: what liger's own Qwen2.5-VL switch does to an instance) rather than through
@@ -98,6 +119,10 @@ def apply_liger(model: nn.Module) -> dict[str, Any]:
                 raise ValueError(f"model.kernels=liger: the MLP activation is {module.mlp.config.hidden_act!r}, "
                                  "liger's SwiGLU needs silu; use model.kernels: none")
             _bind(module.mlp, LigerSwiGLUMLP)
+        if isinstance(module, hf.Qwen2_5_VisionTransformerPretrainedModel) and module.config.hidden_act in (
+                "silu", "swish"):  # the vision blocks' MLPs are the same gated class, with biases
+            for block in module.blocks:
+                _bind(block.mlp, LigerSwiGLUMLP)
         if isinstance(module, holders):
             for name in ("input_layernorm", "post_attention_layernorm", "norm", "norm1", "norm2"):
                 norm = getattr(module, name, None)
@@ -113,9 +138,13 @@ def apply_liger(model: nn.Module) -> dict[str, Any]:
 
         hf.apply_rotary_pos_emb = liger_rotary_pos_emb
         rope = "rotate-half"
+    global _STOCK_VISION_ROTARY
+    if hf.apply_rotary_pos_emb_vision is not vision_rotary_one_pass:
+        _STOCK_VISION_ROTARY = hf.apply_rotary_pos_emb_vision
+        hf.apply_rotary_pos_emb_vision = vision_rotary_one_pass
     norms = sum(1 for m in model.modules() if m._get_name() == "LigerRMSNorm")
     mlps = sum(1 for m in model.modules() if m._get_name() == "LigerSwiGLUMLP")
-    return {"rms_norm_modules": norms, "swiglu_modules": mlps, "rope": rope}
+    return {"rms_norm_modules": norms, "swiglu_modules": mlps, "rope": f"{rope} and vision"}
 
 
 def compile_decoder_layers(model: nn.Module) -> int:

@@ -74,6 +74,9 @@ class ModelFamily(Protocol):
     def enable_fast_path(self, model: Any) -> Any:
         """Switch the model to the family's faster, numerically equal forward (idempotent)."""
 
+    def disable_fast_path(self, model: Any) -> Any:
+        """The stock forward again (benchmarks and tests compare the two on one model)."""
+
     def vision_inputs_on_host(self, vision_config: Any, image_grid_thw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """What the vision tower derives from the image grids alone, computed on the host for a packed forward:
         ``(to the device, stays on the host)``, passed to ``get_image_features`` as keyword arguments."""

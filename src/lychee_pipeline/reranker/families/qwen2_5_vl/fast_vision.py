@@ -21,6 +21,8 @@ image each), and what the fast path does about them (docs/benchmarks.md has the 
    back-propagated through in every step, for gradients nobody uses. The fast path runs the vision
    tower under ``torch.no_grad()`` whenever none of its parameters requires a gradient.
 
+3. The patch embedding as a 3-D convolution (``families/patch_embed.py``): run as the matmul it is.
+
 Nothing here changes parameters or saved weights.
 """
 
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..patch_embed import disable_matmul_patch_embed, enable_matmul_patch_embed
 from ..segments import segment_plan
 from .model import hf_modeling, vision_classes
 
@@ -131,26 +134,32 @@ class FastPathHandle:
 
     attention_modules: list[nn.Module] = field(default_factory=list)
     vision_towers: list[nn.Module] = field(default_factory=list)
+    patch_embeds: list[nn.Module] = field(default_factory=list)
 
     @property
     def enabled(self) -> bool:
-        return bool(self.attention_modules or self.vision_towers)
+        return bool(self.attention_modules or self.vision_towers or self.patch_embeds)
 
     def disable(self) -> None:
         for module in self.attention_modules + self.vision_towers:
             if ORIG_FORWARD in module.__dict__:
                 del module.__dict__["forward"]
                 del module.__dict__[ORIG_FORWARD]
+        for module in self.patch_embeds:
+            disable_matmul_patch_embed(module)
         self.attention_modules.clear()
         self.vision_towers.clear()
+        self.patch_embeds.clear()
 
 
-def enable_fast_path(model: nn.Module, batched_windows: bool = True, frozen_vision_no_grad: bool = True) -> FastPathHandle:
+def enable_fast_path(model: nn.Module, batched_windows: bool = True, frozen_vision_no_grad: bool = True,
+                     matmul_patch_embed: bool = True) -> FastPathHandle:
     """Switch every Qwen2.5-VL vision tower inside ``model`` to the fast path (idempotent).
 
     ``batched_windows``: one attention call per distinct window length instead of one per window.
     ``frozen_vision_no_grad``: run the vision tower under ``torch.no_grad()`` while none of its
     parameters requires a gradient (checked at every call, so unfreezing it later is safe).
+    ``matmul_patch_embed``: the patch embedding's convolution as one matmul (``families/patch_embed.py``).
     Returns a :class:`FastPathHandle`; ``handle.disable()`` restores the stock forwards.
     Works on a :class:`~lychee_pipeline.reranker.model.LycheeReranker`, a peft model or a bare
     ``Qwen2_5_VLForConditionalGeneration``; modules of other architectures are left alone.
@@ -168,6 +177,8 @@ def enable_fast_path(model: nn.Module, batched_windows: bool = True, frozen_visi
             module.__dict__[ORIG_FORWARD] = module.forward
             module.forward = types.MethodType(_frozen_no_grad_forward, module)
             handle.vision_towers.append(module)
+    if matmul_patch_embed:
+        handle.patch_embeds = enable_matmul_patch_embed(model, (hf_modeling().Qwen2_5_VisionPatchEmbed,))
     return handle
 
 
@@ -178,4 +189,5 @@ def disable_fast_path(model: nn.Module) -> None:
         if ORIG_FORWARD in module.__dict__:
             handle.attention_modules.append(module)
     handle.disable()
+    disable_matmul_patch_embed(model)
 

@@ -23,7 +23,7 @@ from .model import decoder_layers, language_models, model_class
 from .processor import load_processor, save_processor
 from .prompt import DEFAULT_INSTRUCTIONS, build_messages
 from .recipe import MAX_PIXELS, MIN_PIXELS, TINY_RECIPE, architecture_config, build_tiny
-from .vision import apply_selective_checkpointing, enable_fast_path, vision_inputs_on_host
+from .vision import apply_selective_checkpointing, disable_fast_path, enable_fast_path, vision_inputs_on_host
 
 NAME = "qwen3_vl"
 # Qwen3-VL-Reranker's processing: 4 to 1,800 visual tokens per image, 10,240 tokens per pair
@@ -35,7 +35,7 @@ REFUSED_FAST_PATHS: dict[str, str] = {
 __all__ = [
     "NAME", "REFUSED_FAST_PATHS", "TINY_RECIPE", "PROCESSING_DEFAULTS", "DEFAULT_INSTRUCTIONS", "build_messages",
     "model_class", "load_processor", "save_processor", "image_tokens", "decoder_layers", "language_models",
-    "architecture_config", "build_tiny", "enable_fast_path", "vision_inputs_on_host",
+    "architecture_config", "build_tiny", "enable_fast_path", "disable_fast_path", "vision_inputs_on_host",
     "apply_selective_checkpointing",
 ]
 

@@ -1,7 +1,8 @@
 """The Qwen3-VL family's fast path and checkpointing.
 
 - :func:`enable_fast_path`: a frozen vision tower (and its DeepStack mergers) runs without autograd — the same
-  numbers as the stock forward, without keeping its activations. Batched attention windows (Qwen2.5-VL's fast
+  numbers as the stock forward, without keeping its activations; its patch embedding's convolution runs as the
+  matmul it is (``families/patch_embed.py``). Batched attention windows (Qwen2.5-VL's fast
   vision path) do not apply: Qwen3-VL's tower attends over whole images, one call per image already.
 - :func:`apply_selective_checkpointing`: the first k decoder layers, never a frozen tower (Qwen2.5-VL's rule).
 """
@@ -15,8 +16,9 @@ import torch
 from torch import nn
 
 from ..base import transformers_model
+from ..patch_embed import disable_matmul_patch_embed, enable_matmul_patch_embed
 from ..qwen2_5_vl.checkpointing import checkpoint_first_layers
-from .model import decoder_layers, vision_towers
+from .model import decoder_layers, hf_modeling, vision_towers
 
 _FAST_ATTR = "_lychee_frozen_without_autograd"
 
@@ -27,7 +29,7 @@ def _frozen(tower: nn.Module) -> bool:
 
 def enable_fast_path(model: nn.Module) -> nn.Module:
     """Run each vision tower under ``torch.no_grad`` while none of its parameters trains (checked at every call, so
-    a tower unfrozen later trains as usual); idempotent."""
+    a tower unfrozen later trains as usual) and its patch embedding as a matmul; idempotent."""
     for tower in vision_towers(transformers_model(model)):
         if getattr(tower, _FAST_ATTR, False):
             continue
@@ -42,6 +44,7 @@ def enable_fast_path(model: nn.Module) -> nn.Module:
 
         tower.forward = forward
         setattr(tower, _FAST_ATTR, True)
+    enable_matmul_patch_embed(model, (hf_modeling().Qwen3VLVisionPatchEmbed,))
     return model
 
 
@@ -51,6 +54,7 @@ def disable_fast_path(model: nn.Module) -> nn.Module:
         if getattr(tower, _FAST_ATTR, False):
             del tower.forward
             setattr(tower, _FAST_ATTR, False)
+    disable_matmul_patch_embed(model)
     return model
 
 
