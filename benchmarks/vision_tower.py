@@ -90,15 +90,18 @@ def main(argv: list[str] | None = None) -> int:
         parity = ("" if reference is None else
                   f"; features against the first line's: max |d| {(features - reference).abs().max().item():.3g} "
                   f"(their max |x| {reference.abs().max().item():.3g})")
-        print(f"{label:<58} {secs:6.2f} s  {rate:6.3g} TFLOP/s = {100 * rate / matmul:5.1f}% of measured{parity}")
+        print(f"{label:<60} {secs:6.2f} s  {rate:6.3g} TFLOP/s = {100 * rate / matmul:5.1f}% of measured{parity}")
         return features
 
     # the steps of the tower's fast path, one at a time on the same batches: each line adds one
     from lychee_pipeline.reranker import kernels
     from lychee_pipeline.reranker.families.patch_embed import disable_matmul_patch_embed
 
+    common.family().disable_fast_path(model)
+    reference = measure("stock transformers forward (SDPA per window / image)")
+    common.family().enable_fast_path(model)
     disable_matmul_patch_embed(model)
-    reference = measure("fast path, patch embedding as Conv3d (before 2026-12-06)")
+    measure("+ one attention call per window or image size", reference)
     common.family().enable_fast_path(model)
     measure("+ patch embedding as a matmul", reference)
     applied = kernels.apply_kernels(model.base_model, "auto", device)

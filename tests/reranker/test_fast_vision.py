@@ -234,3 +234,42 @@ def test_only_patchwise_convolutions_become_matmuls():
     holder = torch.nn.ModuleList([overlapping, patchwise])
     assert enable_matmul_patch_embed(holder, (Embed,)) == [patchwise]
     assert enable_matmul_patch_embed(holder, (Embed,)) == []  # idempotent
+
+
+def test_qwen3_vl_tower_attends_one_call_per_image_size(qwen3_dir):
+    """Qwen3-VL's fast path runs its whole-image vision attention as one SDPA call per distinct image size (the stock
+    forward: one per image): the same features in fp32, fewer calls; disable restores the stock forward."""
+    from lychee_pipeline.reranker.families import qwen3_vl
+    from lychee_pipeline.reranker.model import ModelConfig, load_reranker
+
+    model = load_reranker(ModelConfig(name_or_path="builtin:tiny-qwen3-vl", tiny_cache_dir=qwen3_dir), device="cpu")
+    tower = next(iter(qwen3_vl.model.vision_towers(model.backbone)))
+    patch = 2 * 3 * tower.config.patch_size ** 2
+    grids = [[1, 8, 8], [1, 8, 8], [1, 4, 12], [1, 8, 8]]
+    n = sum(t * h * w for t, h, w in grids)
+    pixels = torch.randn(n, patch, generator=torch.Generator().manual_seed(0))
+    grid = torch.tensor(grids)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return sdpa(*args, **kwargs)
+
+    def features():
+        calls.clear()
+        torch.nn.functional.scaled_dot_product_attention = counting
+        try:
+            with torch.no_grad():
+                out = tower(pixels, grid_thw=grid)
+        finally:
+            torch.nn.functional.scaled_dot_product_attention = sdpa
+        return out.pooler_output, list(calls)
+
+    fast, fast_calls = features()  # loaded with the fast path on
+    qwen3_vl.disable_fast_path(model)
+    stock, stock_calls = features()
+    depth = len(tower.blocks)
+    assert stock_calls == [1] * 4 * depth  # one call per image and layer
+    assert sorted(fast_calls) == sorted([3, 1] * depth)  # the three 8x8 images in one call, the 4x12 in another
+    torch.testing.assert_close(fast, stock, rtol=1e-5, atol=1e-5)

@@ -28,6 +28,7 @@ Nothing here changes parameters or saved weights.
 
 from __future__ import annotations
 
+import sys
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,8 +76,9 @@ def batched_vision_attention_forward(
     max_seqlen: int | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
-    """``Qwen2_5_VLVisionAttention.forward`` with one attention call per distinct segment length."""
-    hf = hf_modeling()
+    """``Qwen2_5_VLVisionAttention.forward`` with one attention call per distinct segment length. Qwen3-VL's vision
+    attention has the same forward (whole images as segments): its fast path binds this too."""
+    hf = sys.modules[type(self).__module__]  # the module's own transformers modelling file (either family)
     if hf.is_flash_attention_requested(self.config):  # flash-attn is already variable-length: keep it
         cu_seqlens = cu_seqlens.to(hidden_states.device, non_blocking=True)  # prepared on the host
         return getattr(self, ORIG_FORWARD)(hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs)

@@ -2,14 +2,15 @@
 
 - :func:`enable_fast_path`: a frozen vision tower (and its DeepStack mergers) runs without autograd — the same
   numbers as the stock forward, without keeping its activations; its patch embedding's convolution runs as the
-  matmul it is (``families/patch_embed.py``). Batched attention windows (Qwen2.5-VL's fast
-  vision path) do not apply: Qwen3-VL's tower attends over whole images, one call per image already.
+  matmul it is (``families/patch_embed.py``); its attention, over whole images (one SDPA call per image in the
+  stock forward), runs one call per distinct image size (Qwen2.5-VL's batched segments).
 - :func:`apply_selective_checkpointing`: the first k decoder layers, never a frozen tower (Qwen2.5-VL's rule).
 """
 
 from __future__ import annotations
 
 import functools
+import types
 from typing import Any
 
 import torch
@@ -17,6 +18,8 @@ from torch import nn
 
 from ..base import transformers_model
 from ..patch_embed import disable_matmul_patch_embed, enable_matmul_patch_embed
+from ..qwen2_5_vl.fast_vision import ORIG_FORWARD, batched_vision_attention_forward
+from ..segments import segment_plan
 from ..qwen2_5_vl.checkpointing import checkpoint_first_layers
 from .model import decoder_layers, hf_modeling, vision_towers
 
@@ -29,7 +32,8 @@ def _frozen(tower: nn.Module) -> bool:
 
 def enable_fast_path(model: nn.Module) -> nn.Module:
     """Run each vision tower under ``torch.no_grad`` while none of its parameters trains (checked at every call, so
-    a tower unfrozen later trains as usual) and its patch embedding as a matmul; idempotent."""
+    a tower unfrozen later trains as usual), its attention one call per image size and its patch embedding as a
+    matmul; idempotent."""
     for tower in vision_towers(transformers_model(model)):
         if getattr(tower, _FAST_ATTR, False):
             continue
@@ -44,6 +48,10 @@ def enable_fast_path(model: nn.Module) -> nn.Module:
 
         tower.forward = forward
         setattr(tower, _FAST_ATTR, True)
+    for module in transformers_model(model).modules():
+        if isinstance(module, hf_modeling().Qwen3VLVisionAttention) and ORIG_FORWARD not in module.__dict__:
+            module.__dict__[ORIG_FORWARD] = module.forward
+            module.forward = types.MethodType(batched_vision_attention_forward, module)
     enable_matmul_patch_embed(model, (hf_modeling().Qwen3VLVisionPatchEmbed,))
     return model
 
@@ -54,6 +62,10 @@ def disable_fast_path(model: nn.Module) -> nn.Module:
         if getattr(tower, _FAST_ATTR, False):
             del tower.forward
             setattr(tower, _FAST_ATTR, False)
+    for module in transformers_model(model).modules():
+        if ORIG_FORWARD in module.__dict__:
+            del module.__dict__["forward"]
+            del module.__dict__[ORIG_FORWARD]
     disable_matmul_patch_embed(model)
     return model
 
@@ -66,7 +78,8 @@ def vision_inputs_on_host(vision_config: Any, image_grid_thw: Any) -> tuple[dict
     device values back (``repeat_interleave`` without a known size), and with the grids on the host its lookup
     indexes a device table by a host tensor ("index is on cpu", the first CUDA run of a packed Qwen3-VL batch).
     To the device: the resampling's taps and weights and the rotary positions. On the host: each image's bounds
-    (the SDPA attention splits the sequence by them; flash attention reads them on the device) and the longest.
+    with their same-size groups (the batched SDPA attention; flash attention reads them on the device) and the
+    longest.
     """
     from transformers import vision_utils
     from transformers.utils.generic import is_flash_attention_requested
@@ -81,7 +94,11 @@ def vision_inputs_on_host(vision_config: Any, image_grid_thw: Any) -> tuple[dict
     to_device = {"interp_indices": indices, "interp_weights": weights,
                  "position_ids": vision_utils.get_vision_position_ids(grid, merge)}
     on_host = {"max_seqlen": int((cu_seqlens[1:] - cu_seqlens[:-1]).max())}
-    (to_device if is_flash_attention_requested(vision_config) else on_host)["cu_seqlens"] = cu_seqlens
+    if is_flash_attention_requested(vision_config):
+        to_device["cu_seqlens"] = cu_seqlens
+    else:  # the batched attention's same-size groups, planned here so no layer reads the bounds back
+        segment_plan(cu_seqlens)
+        on_host["cu_seqlens"] = cu_seqlens
     return to_device, on_host
 
 
