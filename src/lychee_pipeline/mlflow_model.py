@@ -35,7 +35,7 @@ ENV_IMAGE_ROOTS = "LYCHEE_IMAGE_ROOTS"
 COLUMNS = ("query_text", "query_image", "doc_text", "doc_image", "task_type")
 #: `Reranker.from_pretrained` options a logged config may carry (anything else is ignored).
 RERANKER_OPTIONS = ("batch_size", "max_length", "min_pixels", "max_pixels", "dtype", "attn_implementation", "device",
-                    "vision_cache_gib")
+                    "vision_cache_gib", "prefix_reuse")
 
 
 class ImagePathError(ValueError):
