@@ -57,7 +57,6 @@ from lychee_pipeline.reranker.kernels import apply_kernels  # noqa: E402
 from lychee_pipeline.reranker.model import LycheeReranker, ModelConfig, single_token_id  # noqa: E402
 from lychee_pipeline.reranker import packing  # noqa: E402
 from lychee_pipeline.reranker.packing import enable_packed_attention  # noqa: E402
-from lychee_pipeline.reranker.prefix import resolve_prefix_reuse  # noqa: E402
 from lychee_pipeline.reranker.tiny import ensure_tiny  # noqa: E402
 from lychee_pipeline.reranker.vision_cache import VisionFeatureCache  # noqa: E402
 
@@ -344,8 +343,8 @@ def cache_note(scorer: Reranker) -> str:
     if scorer.vision_cache is None:
         return f"{reuse}, no vision cache"
     stats = scorer.vision_cache.stats()
-    return (f"{reuse}, vision cache {stats['max_bytes'] / 2**30:.1f} GiB: {stats['through_tower']} of {stats['images']} "
-            f"images through the tower")
+    return (f"{reuse}, vision cache {stats['max_bytes'] / 2**30:.1f} GiB: {stats['through_tower']} of "
+            f"{stats['images']} images through the tower")
 
 
 def time_core(reranker, pairs, batch_size: int, options: dict, device, params, peaks, label: str) -> dict:
@@ -363,8 +362,7 @@ def prefix_variant(reranker, pairs, args, pipeline: dict, device, params, peaks,
     """The core with prefix reuse the other way from its default (``auto``: on a CUDA GPU, off on a CPU), so the
     run shows it on and off: ``("core-noprefix" or "core-prefix", its rates, tokens and scores against the
     core's)``."""
-    core_reuses = resolve_prefix_reuse(pipeline.get("prefix_reuse", "auto"), reranker.config.pack_pairs,
-                                       refused(reranker.family, "prefix_reuse"), reranker.device)
+    core_reuses = Reranker(reranker, batch_size=args.batch_size, **pipeline).prefix_reuse  # what the default gives
     name = "core-noprefix" if core_reuses else "core-prefix"
     r = time_core(reranker, pairs, args.batch_size, {**pipeline, "prefix_reuse": not core_reuses}, device, params,
                   peaks, f"Reranker.score_pairs(prefix_reuse={not core_reuses}), batch {args.batch_size}"

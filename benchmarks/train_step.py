@@ -181,7 +181,7 @@ def set_liger(reranker: LycheeReranker, on: bool) -> None:
     patched = [m for m in reranker.modules() if "forward" in m.__dict__ and m._get_name().startswith("Liger")]
     if on and not patched:
         fused_kernels.resolve_kernels("liger", reranker.device)  # one-line error without liger-kernel or CUDA
-        for attr in ("apply_rotary_pos_emb", "apply_multimodal_rotary_pos_emb"):
+        for attr in ("apply_rotary_pos_emb", "apply_multimodal_rotary_pos_emb", "apply_rotary_pos_emb_vision"):
             if hasattr(hf, attr):
                 _PLAIN_ROPE.setdefault(attr, getattr(hf, attr))
         log(f"liger-kernel applied: {fused_kernels.apply_liger(reranker.base_model)}")
@@ -237,7 +237,7 @@ def configure(reranker: LycheeReranker, spec: dict) -> None:
         if spec["fast"] == "all":
             family.enable_fast_path(reranker)
         elif spec["fast"] == "windows":
-            family.enable_fast_path(reranker, frozen_vision_no_grad=False)
+            family.enable_fast_path(reranker, frozen_vision_no_grad=False, matmul_patch_embed=False)
     set_checkpointing(reranker, spec["ckpt"])
     # the packed attention function is plain SDPA for padded batches: once enabled it stays
     if spec.get("pack"):

@@ -106,12 +106,19 @@ def main(argv: list[str] | None = None) -> int:
     measure("+ patch embedding as a matmul", reference)
     applied = kernels.apply_kernels(model.base_model, "auto", device)
     if applied == "liger":
-        measure("+ liger: vision RMSNorm, SwiGLU and rotary (the default)", reference)
+        measure("+ liger: vision RMSNorm, rotary, MLP padded to 64 (the default)", reference)
+        from liger_kernel.transformers import LigerSwiGLUMLP
         from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf  # the family liger is applied to
 
-        ours, hf.apply_rotary_pos_emb_vision = hf.apply_rotary_pos_emb_vision, kernels._STOCK_VISION_ROTARY
+        ours, hf.apply_rotary_pos_emb_vision = hf.apply_rotary_pos_emb_vision, kernels.stock_vision_rotary()
         measure("  the same with the stock vision rotary (its share)", reference)
         hf.apply_rotary_pos_emb_vision = ours
+        mlps = [block.mlp for block in vl_model.visual.blocks]
+        for mlp in mlps:
+            mlp.forward = LigerSwiGLUMLP.forward.__get__(mlp, type(mlp))
+        measure("  the same with liger's SwiGLU, 3,420 wide (the padding's share)", reference)
+        for mlp in mlps:
+            mlp.forward = kernels.vision_mlp_forward.__get__(mlp, type(mlp))
     else:
         print(f"fused kernels: {applied} (the family or the machine does not take liger)")
 

@@ -53,3 +53,40 @@ def test_compiled_layers_are_marked(make_model):
     layers = decoder_layers(model)
     assert layers and all(layer._compiled_call_impl is not None for layer in layers)
     assert all(layer._compiled_call_impl is None for layer in decoder_layers(make_model()))
+
+
+def test_padded_vision_mlp_equals_the_stock_one_and_follows_its_weights():
+    """The vision MLP's aligned path (used when scoring on a GPU): gate and up stacked, the intermediate width padded
+    with zeros to a multiple of 64, computes the stock module's output (fp32, CPU); its padded copies are reused
+    while the weights stay and made again when one changes in place."""
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLMLP
+
+    vision = Qwen2_5_VLConfig(vision_config={"hidden_size": 32, "intermediate_size": 90}).vision_config
+    torch.manual_seed(0)
+    mlp = Qwen2_5_VLMLP(vision, bias=True).eval()  # 90 wide, as Qwen2.5-VL's 3,420 is not a multiple of 64
+    x = torch.randn(7, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(kernels.padded_gated_mlp(mlp, x), mlp(x), rtol=1e-5, atol=1e-6)
+        gate_up, _, down = kernels._padded_mlp_weights(mlp)
+        assert gate_up.shape == (2 * 128, 32) and down.shape == (32, 128)
+        assert kernels._padded_mlp_weights(mlp)[0] is gate_up  # kept
+        mlp.up_proj.weight.mul_(2)  # changed in place: the copies follow
+        assert kernels._padded_mlp_weights(mlp)[0] is not gate_up
+        torch.testing.assert_close(kernels.padded_gated_mlp(mlp, x), mlp(x), rtol=1e-5, atol=1e-6)
+
+
+def test_vision_rotary_keeps_the_stock_function_on_a_cpu():
+    """The vision rotary replacement is process-wide once liger is applied on a GPU; a CPU tensor still gets
+    transformers' own function (bit for bit)."""
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(10, 2, 8, generator=gen), torch.randn(10, 2, 8, generator=gen)
+    half = torch.randn(10, 4, generator=gen)
+    cos, sin = torch.cat([half.cos()] * 2, -1), torch.cat([half.sin()] * 2, -1)
+    for ours, stock in zip(kernels.vision_rotary_one_pass(q, k, cos, sin),
+                           kernels.stock_vision_rotary()(q, k, cos, sin)):
+        assert torch.equal(ours, stock)
+    assert kernels.stock_vision_rotary() is not kernels.vision_rotary_one_pass
+    assert hf.apply_rotary_pos_emb_vision in (kernels.stock_vision_rotary(), kernels.vision_rotary_one_pass)

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from .collate import DEFAULT_MAX_LENGTH, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PairCollator
-from .model import LycheeReranker, ModelConfig, load_reranker, processing_of, read_metadata
 from .families import refused
+from .model import LycheeReranker, ModelConfig, load_reranker, processing_of, read_metadata
 from .packing import PackedBatch
 from .prefix import resolve_prefix_reuse
 from .preparation import HostPreparation
@@ -169,7 +169,7 @@ class Reranker:
         # scores are the plain packed path's. Refused in one line for a model that does not pack pairs. auto: on where
         # the packed attention is one variable-length call per layer (a CUDA GPU; reranker/prefix.py says why).
         reuse = resolve_prefix_reuse(prefix_reuse, model.config.pack_pairs, refused(model.family, "prefix_reuse"),
-                                     model.device)
+                                     model.device, next(model.backbone.parameters()).dtype)
         if reuse:
             model.require_prefix_reuse()
         self.preparation.prefix_reuse = reuse

@@ -78,19 +78,26 @@ def _to_liger_rms_norm(norm: nn.Module, liger_cls: type) -> None:
     _bind(norm, liger_cls)
 
 
-_STOCK_VISION_ROTARY: Any = None  # transformers' own function, kept when the first apply_liger replaces it
+def stock_vision_rotary() -> Any:
+    """transformers' own ``apply_rotary_pos_emb_vision`` of Qwen2.5-VL (kept when :func:`apply_liger` replaces it)."""
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf
+
+    return hf.__dict__.get("_lychee_stock_vision_rotary", hf.apply_rotary_pos_emb_vision)
 
 
 def vision_rotary_one_pass(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' ``apply_rotary_pos_emb_vision`` (q, k: [patches, heads, head_dim]; the arithmetic in fp32, the
-    result in q's dtype) through liger's rope kernel, which reads each row once, rotates it in fp32 and writes it
-    back in q's dtype. The stock function makes about eight full-size fp32 passes over q and k (the upcast, two
-    products, the rotated half's negation and concatenation, the sum, the downcast) in each of the tower's layers,
-    on ~107k patches a scoring batch of 800x800 images. liger's own vision variant upcasts q and k to fp32 copies
-    first; here cos and sin are fp32 and the kernel upcasts each row as it loads it, which is the same arithmetic."""
+    result in q's dtype) through liger's rope kernel: one contiguous bf16 copy of q and k, then one kernel that
+    rotates each row in fp32 and writes it back in q's dtype. The stock function makes about eight full-size fp32
+    passes over q and k (the upcast, two products, the rotated half's negation and concatenation, the sum, the
+    downcast) in each of the tower's layers, on ~107k patches a scoring batch of 800x800 images: on one H100 the
+    7B tower ran 1.26x faster with this (docs/benchmarks.md, 2026-12-06). liger's own vision variant upcasts q and
+    k to fp32 copies first; here cos and sin are fp32 and the kernel upcasts each row as it loads it. The kernel
+    may fuse a product and a sum into one rounding, so an element can differ from the stock function's by one
+    bf16 step."""
     if not q.is_cuda:  # the replacement is process-wide (as liger's own switches are): a CPU model keeps the stock one
-        return _STOCK_VISION_ROTARY(q, k, cos, sin)
+        return stock_vision_rotary()(q, k, cos, sin)
     from liger_kernel.transformers.rope import liger_rotary_pos_emb
 
     q4, k4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k))  # [1, heads, patches, head_dim] views
@@ -98,16 +105,73 @@ def vision_rotary_one_pass(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return q_out.transpose(1, 2).squeeze(0), k_out.transpose(1, 2).squeeze(0)
 
 
+# cuBLAS's Hopper GEMM kernels need rows aligned to 16 bytes; Qwen2.5-VL's vision MLP is 3,420 wide (6,840 bytes
+# a bf16 row), so its three matmuls ran Ampere-era "align2" kernels: 61% of the 7B tower's kernel time on one H100
+# (benchmarks/results/2026-12-06_h100_vision_tower_7b_steps.txt)
+VISION_MLP_ALIGN = 64
+_PADDED_ATTR = "_lychee_padded_mlp"
+
+
+def _padded_mlp_weights(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(gate and up stacked, their biases, down)`` with the intermediate width zero-padded to a multiple of
+    :data:`VISION_MLP_ALIGN`; kept on the module and made again when any of its weights was replaced or changed
+    in place (a tensor's storage and version counter)."""
+    params = [p for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj) for p in (lin.weight, lin.bias) if p is not None]
+    key = tuple((p.data_ptr(), p._version) for p in params)
+    kept = mlp.__dict__.get(_PADDED_ATTR)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    width = mlp.gate_proj.out_features
+    padded = -(-width // VISION_MLP_ALIGN) * VISION_MLP_ALIGN
+    weight = mlp.gate_proj.weight
+    gate_up = weight.new_zeros(2 * padded, weight.shape[1])
+    gate_up[:width], gate_up[padded:padded + width] = mlp.gate_proj.weight, mlp.up_proj.weight
+    bias = None
+    if mlp.gate_proj.bias is not None:
+        bias = weight.new_zeros(2 * padded)
+        bias[:width], bias[padded:padded + width] = mlp.gate_proj.bias, mlp.up_proj.bias
+    down = weight.new_zeros(mlp.down_proj.out_features, padded)
+    down[:, :width] = mlp.down_proj.weight
+    mlp.__dict__[_PADDED_ATTR] = (key, (gate_up, bias, down))
+    return gate_up, bias, down
+
+
+def vision_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A Qwen2.5-VL vision block's gated MLP (``down(silu(gate(x)) * up(x))``, with biases).
+
+    When scoring (inference mode) on a GPU and the intermediate width is not a multiple of
+    :data:`VISION_MLP_ALIGN`: gate and up as one matmul and down as another, on copies of the weights whose
+    intermediate width is zero-padded (the padded columns are silu(0) x 0 = 0 and meet zero weights in down, so
+    they add exactly nothing; +0.85 GB on the 7B tower); the SiLU and the product as the stock module computes
+    them. Elsewhere (training, CPU) liger's SwiGLU forward."""
+    from liger_kernel.transformers import LigerSwiGLUMLP
+
+    if (self.gate_proj.out_features % VISION_MLP_ALIGN == 0 or not x.is_cuda
+            or not torch.is_inference_mode_enabled()):
+        return LigerSwiGLUMLP.forward(self, x)
+    return padded_gated_mlp(self, x)
+
+
+def padded_gated_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` of a gated MLP through its padded weight copies (:func:`vision_mlp_forward`)."""
+    gate_up, bias, down = _padded_mlp_weights(mlp)
+    padded = down.shape[1]
+    both = torch.nn.functional.linear(x, gate_up, bias)
+    hidden = torch.nn.functional.silu(both[..., :padded]) * both[..., padded:]
+    return torch.nn.functional.linear(hidden, down, mlp.down_proj.bias)
+
+
 def apply_liger(model: nn.Module) -> dict[str, Any]:
     """liger-kernel's RMSNorm, SwiGLU and rope (language model and vision tower) on a loaded
     ``Qwen2_5_VLForConditionalGeneration`` (before LoRA is applied). Returns what was replaced, for the log.
 
     The modules of this model instance are switched one by one (the language model's norms and MLPs, the vision
-    blocks' norms: what liger's own Qwen2.5-VL switch does to an instance) rather than through
+    blocks' norms: what liger's own Qwen2.5-VL switch does to an instance; and the vision blocks' MLPs, as
+    :func:`vision_mlp_forward`) rather than through
     ``apply_liger_kernel_to_qwen2_5_vl``: liger-kernel 0.8.5's switch imports an output class that transformers
     5.24 renamed and fails with an ImportError, and it also replaces transformers' norm and MLP classes for every
-    model built later in the process. The rotary function is still replaced in transformers' module (below), as
-    liger does: it is a module-level function, not a part of the instance. It knows Qwen2.5-VL's modules only: a
+    model built later in the process. The rotary functions (text and vision) are still replaced in transformers'
+    module (below), as liger does: they are module-level functions, not a part of the instance. It knows Qwen2.5-VL's modules only: a
     family whose modules it does not know refuses ``kernels`` (``REFUSED_FAST_PATHS``)."""
     from liger_kernel.transformers import LigerRMSNorm, LigerSwiGLUMLP
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf
@@ -123,6 +187,7 @@ def apply_liger(model: nn.Module) -> dict[str, Any]:
                 "silu", "swish"):  # the vision blocks' MLPs are the same gated class, with biases
             for block in module.blocks:
                 _bind(block.mlp, LigerSwiGLUMLP)
+                block.mlp.__dict__["forward"] = vision_mlp_forward.__get__(block.mlp, type(block.mlp))
         if isinstance(module, holders):
             for name in ("input_layernorm", "post_attention_layernorm", "norm", "norm1", "norm2"):
                 norm = getattr(module, name, None)
@@ -138,9 +203,8 @@ def apply_liger(model: nn.Module) -> dict[str, Any]:
 
         hf.apply_rotary_pos_emb = liger_rotary_pos_emb
         rope = "rotate-half"
-    global _STOCK_VISION_ROTARY
     if hf.apply_rotary_pos_emb_vision is not vision_rotary_one_pass:
-        _STOCK_VISION_ROTARY = hf.apply_rotary_pos_emb_vision
+        hf._lychee_stock_vision_rotary = hf.apply_rotary_pos_emb_vision
         hf.apply_rotary_pos_emb_vision = vision_rotary_one_pass
     norms = sum(1 for m in model.modules() if m._get_name() == "LigerRMSNorm")
     mlps = sum(1 for m in model.modules() if m._get_name() == "LigerSwiGLUMLP")

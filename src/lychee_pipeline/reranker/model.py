@@ -509,7 +509,7 @@ def load_reranker(cfg: ModelConfig, device: str | torch.device | None = "auto") 
     else:
         _freeze_vision(model)  # peft already froze the base; make sure nothing visual trains
 
-    if cfg.fast_path:  # batched vision windows, frozen tower without autograd (docs/benchmarks.md)
+    if cfg.fast_path:  # batched vision attention, frozen tower without autograd, patch embedding as a matmul
         family.enable_fast_path(model)
     if cfg.pack_pairs:  # the language model attends within each pair of a packed sequence
         from .packing import enable_packed_attention

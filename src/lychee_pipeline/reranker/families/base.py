@@ -22,7 +22,8 @@ from typing import Any, Protocol, runtime_checkable
 
 # The fast paths a family may refuse, by the `model:` setting that turns each on: (what it is, the value off).
 FAST_PATHS = {
-    "fast_path": ("the fast vision path (batched attention windows, frozen tower without autograd)", "false"),
+    "fast_path": ("the fast vision path (batched vision attention, frozen tower without autograd, patch embedding "
+                  "as a matmul)", "false"),
     "pack_pairs": ("pairs packed into one sequence (host-side vision inputs, features placed at the image rows)",
                    "false"),
     "kernels": ("liger-kernel's fused RMSNorm / SwiGLU / rope on the family's modules", "none"),
@@ -72,7 +73,7 @@ class ModelFamily(Protocol):
 
     # -- fast paths and memory
     def enable_fast_path(self, model: Any) -> Any:
-        """Switch the model to the family's faster, numerically equal forward (idempotent)."""
+        """Switch the model to the family's faster forward, equal up to summation order (idempotent)."""
 
     def disable_fast_path(self, model: Any) -> Any:
         """The stock forward again (benchmarks and tests compare the two on one model)."""

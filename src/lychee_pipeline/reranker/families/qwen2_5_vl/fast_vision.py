@@ -1,5 +1,6 @@
-"""The fast Qwen2.5-VL vision path, numerically equal to the stock one: batched attention windows, the frozen
-tower without autograd, and the vision tower's grid-derived inputs computed on the host for a packed forward.
+"""The fast Qwen2.5-VL vision path, equal to the stock one up to the patch embedding's summation order: batched
+attention windows, the frozen tower without autograd, the patch embedding as a matmul, and the vision tower's
+grid-derived inputs computed on the host for a packed forward.
 
 Two problems of the stock Hugging Face path (transformers 5.17 - 5.23) at the Lychee shape (8 pairs, one 448x448
 image each), and what the fast path does about them (docs/benchmarks.md has the figures):

@@ -18,9 +18,9 @@ from torch import nn
 
 from ..base import transformers_model
 from ..patch_embed import disable_matmul_patch_embed, enable_matmul_patch_embed
+from ..qwen2_5_vl.checkpointing import checkpoint_first_layers
 from ..qwen2_5_vl.fast_vision import ORIG_FORWARD, batched_vision_attention_forward
 from ..segments import segment_plan
-from ..qwen2_5_vl.checkpointing import checkpoint_first_layers
 from .model import decoder_layers, hf_modeling, vision_towers
 
 _FAST_ATTR = "_lychee_frozen_without_autograd"
