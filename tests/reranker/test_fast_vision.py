@@ -195,16 +195,20 @@ def test_checkpoint_layers_for_budget():
 
 
 def test_patch_embedding_as_a_matmul_equals_the_convolution(family_model):
-    """Both families' fast path runs the patch embedding's Conv3d (stride == kernel) as one matmul over the flattened
-    pixel rows: the same features in fp32 (also with Qwen3-VL's bias), restored by the family's disable."""
+    """The patch embedding's Conv3d (stride == kernel) as one matmul over the flattened pixel rows: the same features
+    in fp32, for both families' modules (Qwen3-VL's has a bias); Qwen2.5-VL's fast path switches it on and its
+    disable restores the convolution, Qwen3-VL's keeps the convolution (qwen3_vl/vision.py says why)."""
     from lychee_pipeline.reranker.families import family_of_model
-    from lychee_pipeline.reranker.families.patch_embed import STOCK_FORWARD, is_patchwise_conv
+    from lychee_pipeline.reranker.families.patch_embed import (STOCK_FORWARD, disable_matmul_patch_embed,
+                                                               enable_matmul_patch_embed, is_patchwise_conv)
 
     model = family_model()  # loaded with the fast path on (ModelConfig.fast_path)
+    family = family_of_model(model)
     embeds = [m for m in model.modules() if type(m).__name__.endswith("PatchEmbed")]
     assert len(embeds) == 1 and is_patchwise_conv(embeds[0].proj)
     embed = embeds[0]
-    assert STOCK_FORWARD in embed.__dict__  # switched
+    assert (STOCK_FORWARD in embed.__dict__) == (family.NAME == "qwen2_5_vl")
+    assert enable_matmul_patch_embed(model, (type(embed),)) == ([] if family.NAME == "qwen2_5_vl" else [embed])
     rows = torch.randn(40, embed.proj.weight[0].numel(), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.nn.init.normal_(embed.proj.weight)
@@ -216,7 +220,9 @@ def test_patch_embedding_as_a_matmul_equals_the_convolution(family_model):
     # sums of 1,176 (Qwen2.5-VL) or 1,536 (Qwen3-VL) products: only the fp32 summation order differs
     torch.testing.assert_close(fast, stock, rtol=0, atol=2e-6 * stock.abs().max().item())
     assert stock.abs().max() > 1
-    family_of_model(model).disable_fast_path(model)
+    family.disable_fast_path(model)
+    if family.NAME != "qwen2_5_vl":
+        assert disable_matmul_patch_embed(model) == 1
     assert "forward" not in embed.__dict__ and STOCK_FORWARD not in embed.__dict__
 
 

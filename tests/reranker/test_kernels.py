@@ -55,27 +55,6 @@ def test_compiled_layers_are_marked(make_model):
     assert all(layer._compiled_call_impl is None for layer in decoder_layers(make_model()))
 
 
-def test_padded_vision_mlp_equals_the_stock_one_and_follows_its_weights():
-    """The vision MLP's aligned path (used when scoring on a GPU): gate and up stacked, the intermediate width padded
-    with zeros to a multiple of 64, computes the stock module's output (fp32, CPU); its padded copies are reused
-    while the weights stay and made again when one changes in place."""
-    from transformers import Qwen2_5_VLConfig
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLMLP
-
-    vision = Qwen2_5_VLConfig(vision_config={"hidden_size": 32, "intermediate_size": 90}).vision_config
-    torch.manual_seed(0)
-    mlp = Qwen2_5_VLMLP(vision, bias=True).eval()  # 90 wide, as Qwen2.5-VL's 3,420 is not a multiple of 64
-    x = torch.randn(7, 32)
-    with torch.no_grad():
-        torch.testing.assert_close(kernels.padded_gated_mlp(mlp, x), mlp(x), rtol=1e-5, atol=1e-6)
-        gate_up, _, down = kernels._padded_mlp_weights(mlp)
-        assert gate_up.shape == (2 * 128, 32) and down.shape == (32, 128)
-        assert kernels._padded_mlp_weights(mlp)[0] is gate_up  # kept
-        mlp.up_proj.weight.mul_(2)  # changed in place: the copies follow
-        assert kernels._padded_mlp_weights(mlp)[0] is not gate_up
-        torch.testing.assert_close(kernels.padded_gated_mlp(mlp, x), mlp(x), rtol=1e-5, atol=1e-6)
-
-
 def test_vision_rotary_keeps_the_stock_function_on_a_cpu():
     """The vision rotary replacement is process-wide once liger is applied on a GPU; a CPU tensor still gets
     transformers' own function (bit for bit)."""

@@ -105,69 +105,13 @@ def vision_rotary_one_pass(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return q_out.transpose(1, 2).squeeze(0), k_out.transpose(1, 2).squeeze(0)
 
 
-# cuBLAS's Hopper GEMM kernels need rows aligned to 16 bytes; Qwen2.5-VL's vision MLP is 3,420 wide (6,840 bytes
-# a bf16 row), so its three matmuls ran Ampere-era "align2" kernels: 61% of the 7B tower's kernel time on one H100
-# (benchmarks/results/2026-12-06_h100_vision_tower_7b_steps.txt)
-VISION_MLP_ALIGN = 64
-_PADDED_ATTR = "_lychee_padded_mlp"
-
-
-def _padded_mlp_weights(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``(gate and up stacked, their biases, down)`` with the intermediate width zero-padded to a multiple of
-    :data:`VISION_MLP_ALIGN`; kept on the module and made again when any of its weights was replaced or changed
-    in place (a tensor's storage and version counter)."""
-    params = [p for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj) for p in (lin.weight, lin.bias) if p is not None]
-    key = tuple((p.data_ptr(), p._version) for p in params)
-    kept = mlp.__dict__.get(_PADDED_ATTR)
-    if kept is not None and kept[0] == key:
-        return kept[1]
-    width = mlp.gate_proj.out_features
-    padded = -(-width // VISION_MLP_ALIGN) * VISION_MLP_ALIGN
-    weight = mlp.gate_proj.weight
-    gate_up = weight.new_zeros(2 * padded, weight.shape[1])
-    gate_up[:width], gate_up[padded:padded + width] = mlp.gate_proj.weight, mlp.up_proj.weight
-    bias = None
-    if mlp.gate_proj.bias is not None:
-        bias = weight.new_zeros(2 * padded)
-        bias[:width], bias[padded:padded + width] = mlp.gate_proj.bias, mlp.up_proj.bias
-    down = weight.new_zeros(mlp.down_proj.out_features, padded)
-    down[:, :width] = mlp.down_proj.weight
-    mlp.__dict__[_PADDED_ATTR] = (key, (gate_up, bias, down))
-    return gate_up, bias, down
-
-
-def vision_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A Qwen2.5-VL vision block's gated MLP (``down(silu(gate(x)) * up(x))``, with biases).
-
-    When scoring (inference mode) on a GPU and the intermediate width is not a multiple of
-    :data:`VISION_MLP_ALIGN`: gate and up as one matmul and down as another, on copies of the weights whose
-    intermediate width is zero-padded (the padded columns are silu(0) x 0 = 0 and meet zero weights in down, so
-    they add exactly nothing; +0.85 GB on the 7B tower); the SiLU and the product as the stock module computes
-    them. Elsewhere (training, CPU) liger's SwiGLU forward."""
-    from liger_kernel.transformers import LigerSwiGLUMLP
-
-    if (self.gate_proj.out_features % VISION_MLP_ALIGN == 0 or not x.is_cuda
-            or not torch.is_inference_mode_enabled()):
-        return LigerSwiGLUMLP.forward(self, x)
-    return padded_gated_mlp(self, x)
-
-
-def padded_gated_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))`` of a gated MLP through its padded weight copies (:func:`vision_mlp_forward`)."""
-    gate_up, bias, down = _padded_mlp_weights(mlp)
-    padded = down.shape[1]
-    both = torch.nn.functional.linear(x, gate_up, bias)
-    hidden = torch.nn.functional.silu(both[..., :padded]) * both[..., padded:]
-    return torch.nn.functional.linear(hidden, down, mlp.down_proj.bias)
-
-
 def apply_liger(model: nn.Module) -> dict[str, Any]:
     """liger-kernel's RMSNorm, SwiGLU and rope (language model and vision tower) on a loaded
     ``Qwen2_5_VLForConditionalGeneration`` (before LoRA is applied). Returns what was replaced, for the log.
 
     The modules of this model instance are switched one by one (the language model's norms and MLPs, the vision
-    blocks' norms: what liger's own Qwen2.5-VL switch does to an instance; and the vision blocks' MLPs, as
-    :func:`vision_mlp_forward`) rather than through
+    blocks' norms: what liger's own Qwen2.5-VL switch does to an instance; and the vision blocks' MLPs) rather
+    than through
     ``apply_liger_kernel_to_qwen2_5_vl``: liger-kernel 0.8.5's switch imports an output class that transformers
     5.24 renamed and fails with an ImportError, and it also replaces transformers' norm and MLP classes for every
     model built later in the process. The rotary functions (text and vision) are still replaced in transformers'
@@ -187,7 +131,6 @@ def apply_liger(model: nn.Module) -> dict[str, Any]:
                 "silu", "swish"):  # the vision blocks' MLPs are the same gated class, with biases
             for block in module.blocks:
                 _bind(block.mlp, LigerSwiGLUMLP)
-                block.mlp.__dict__["forward"] = vision_mlp_forward.__get__(block.mlp, type(block.mlp))
         if isinstance(module, holders):
             for name in ("input_layernorm", "post_attention_layernorm", "norm", "norm1", "norm2"):
                 norm = getattr(module, name, None)

@@ -1,5 +1,6 @@
 """A vision tower's patch embedding as one matmul: both families' ``PatchEmbed.proj`` is an ``nn.Conv3d`` whose stride
-equals its kernel, so each output is one patch's pixel row dotted with one filter.
+equals its kernel, so each output is one patch's pixel row dotted with one filter (Qwen2.5-VL's fast path uses it;
+Qwen3-VL's keeps the convolution: ``qwen3_vl/vision.py`` says why).
 
 The pixel rows arrive flattened already ([patches, channels x temporal x patch x patch], in the order the
 convolution's weight is laid out), so ``F.linear`` on the weight viewed as [embed, channels x temporal x patch x

@@ -5,8 +5,8 @@
 - ``processor.py``: the stock processor, or a shim without the video processor where torchvision is missing;
 - ``prompt.py``: the Qwen3-VL-Reranker prompt (``NULL`` for an empty side, one default instruction);
 - ``recipe.py``: the 2B, 8B and ``tiny`` configs, and the ``builtin:tiny-qwen3-vl`` miniature;
-- ``vision.py``: the frozen tower without autograd, one attention call per image size, the patch embedding as a
-  matmul, and selective checkpointing.
+- ``vision.py``: the frozen tower without autograd, one attention call per image size, and selective
+  checkpointing.
 
 Packed pairs (``model.pack_pairs``, reranker/packing.py) and prefix reuse hold: the packed forward places the
 DeepStack features (intermediate vision layers, added after the first decoder layers) at the packed image rows.

@@ -1,9 +1,11 @@
 """The Qwen3-VL family's fast path and checkpointing.
 
 - :func:`enable_fast_path`: a frozen vision tower (and its DeepStack mergers) runs without autograd — the same
-  numbers as the stock forward, without keeping its activations; its patch embedding's convolution runs as the
-  matmul it is (``families/patch_embed.py``); its attention, over whole images (one SDPA call per image in the
-  stock forward), runs one call per distinct image size (Qwen2.5-VL's batched segments).
+  numbers as the stock forward, without keeping its activations; its attention, over whole images (one SDPA call
+  per image in the stock forward), runs one call per distinct image size (Qwen2.5-VL's batched segments; the
+  same features, bit for bit, on one H100). The patch embedding stays a convolution here: as a matmul it paid 4%
+  of the 2B tower's time, and the tiny model's smoke run, whose lift is sensitive to the last bit of its inputs,
+  then fell below the end-to-end test's margin (docs/benchmarks.md, 2026-12-06).
 - :func:`apply_selective_checkpointing`: the first k decoder layers, never a frozen tower (Qwen2.5-VL's rule).
 """
 
@@ -17,7 +19,6 @@ import torch
 from torch import nn
 
 from ..base import transformers_model
-from ..patch_embed import disable_matmul_patch_embed, enable_matmul_patch_embed
 from ..qwen2_5_vl.checkpointing import checkpoint_first_layers
 from ..qwen2_5_vl.fast_vision import ORIG_FORWARD, batched_vision_attention_forward
 from ..segments import segment_plan
@@ -32,8 +33,7 @@ def _frozen(tower: nn.Module) -> bool:
 
 def enable_fast_path(model: nn.Module) -> nn.Module:
     """Run each vision tower under ``torch.no_grad`` while none of its parameters trains (checked at every call, so
-    a tower unfrozen later trains as usual), its attention one call per image size and its patch embedding as a
-    matmul; idempotent."""
+    a tower unfrozen later trains as usual) and its attention one call per image size; idempotent."""
     for tower in vision_towers(transformers_model(model)):
         if getattr(tower, _FAST_ATTR, False):
             continue
@@ -52,7 +52,6 @@ def enable_fast_path(model: nn.Module) -> nn.Module:
         if isinstance(module, hf_modeling().Qwen3VLVisionAttention) and ORIG_FORWARD not in module.__dict__:
             module.__dict__[ORIG_FORWARD] = module.forward
             module.forward = types.MethodType(batched_vision_attention_forward, module)
-    enable_matmul_patch_embed(model, (hf_modeling().Qwen3VLVisionPatchEmbed,))
     return model
 
 
@@ -66,7 +65,6 @@ def disable_fast_path(model: nn.Module) -> nn.Module:
         if ORIG_FORWARD in module.__dict__:
             del module.__dict__["forward"]
             del module.__dict__[ORIG_FORWARD]
-    disable_matmul_patch_embed(model)
     return model
 
 
