@@ -6,8 +6,11 @@
 
 The tower of the 7B architecture (or ``--family`` / ``--size``) with random weights, set up as
 ``Reranker.from_pretrained`` sets it up (fast vision path), on the packed batches ``Reranker.batches`` prepares
-from 800x800 JPEG documents (one distinct image per pair, 32 pairs a batch). Prints the tower's time per batch,
-its rate against its matmul FLOPs (2 x tower params x patches) and the measured bf16 matmul rate, and the
+from 800x800 JPEG documents (one distinct image per pair, 32 pairs a batch). Prints, step by step from the stock
+transformers forward to the library's default (batched attention, the patch embedding as a matmul, liger's vision
+kernels where the family takes them; then a candidate not in the library: the vision MLP padded to a multiple of
+64), the tower's time over the batches, its rate against its matmul FLOPs (2 x tower params x patches) and the
+measured bf16 matmul rate, and the largest difference of its features from the stock forward's; then the
 ``torch.profiler`` table of its CUDA kernels for one batch (the largest first), grouped by kind: matmuls,
 attention, and everything else (elementwise, norms, copies).
 """
