@@ -226,18 +226,13 @@ def configure(reranker: LycheeReranker, spec: dict) -> None:
     for lever, fast_path in (("pack", "pack_pairs"), ("liger", "kernels")):
         if spec.get(lever):
             require_fast_path(family, fast_path)  # one line: the family refuses it
-    if family.NAME != "qwen2_5_vl":  # only Qwen2.5-VL has the batched-window vision path
-        if spec["fast"] == "windows":
-            raise SystemExit(f"variant {spec.get('name')}: the {family.NAME} family has no batched-window vision path")
-        family.disable_fast_path(reranker)
-        if spec["fast"] == "all":
-            family.enable_fast_path(reranker)  # its frozen tower without autograd
-    else:
-        family.disable_fast_path(reranker)
-        if spec["fast"] == "all":
-            family.enable_fast_path(reranker)
-        elif spec["fast"] == "windows":
-            family.enable_fast_path(reranker, frozen_vision_no_grad=False, matmul_patch_embed=False)
+    if spec["fast"] == "windows" and family.NAME != "qwen2_5_vl":  # only Qwen2.5-VL has attention windows
+        raise SystemExit(f"variant {spec.get('name')}: the {family.NAME} family has no batched-window vision path")
+    family.disable_fast_path(reranker)
+    if spec["fast"] == "all":
+        family.enable_fast_path(reranker)
+    elif spec["fast"] == "windows":  # the batched windows alone
+        family.enable_fast_path(reranker, frozen_vision_no_grad=False, matmul_patch_embed=False)
     set_checkpointing(reranker, spec["ckpt"])
     # the packed attention function is plain SDPA for padded batches: once enabled it stays
     if spec.get("pack"):

@@ -22,7 +22,9 @@ import functools
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -80,6 +82,118 @@ def padded_mlp_forward(mlp, weights, x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(hidden, down, mlp.down_proj.bias)
 
 
+@dataclass
+class Tower:
+    """The tower under test and the batches it runs on."""
+
+    model: Any  # the LycheeReranker holding it
+    batches: list
+    device: torch.device
+    matmul_tflops: float
+
+    @property
+    def vl_model(self) -> Any:
+        return self.model.base_model.model
+
+    @property
+    def params(self) -> int:
+        return sum(p.numel() for p in self.vl_model.visual.parameters())
+
+    @property
+    def patches(self) -> int:
+        return sum(int(p.pixel_values.shape[0]) for p in self.batches)
+
+    @property
+    def largest(self) -> Any:
+        return max(self.batches, key=lambda p: p.pixel_values.shape[0])
+
+    def run(self, packed) -> Any:
+        return self.vl_model.get_image_features(packed.pixel_values, packed.image_grid_thw, return_dict=True,
+                                                **packed.vision_to_device, **packed.vision_on_host)
+
+    @torch.inference_mode()
+    def measure(self, label: str, reference: torch.Tensor | None = None) -> torch.Tensor:
+        """Time the tower over the batches after a warm-up (kernels chosen, Triton compiled); print the line and
+        return the largest batch's features (compared with ``reference``)."""
+        for packed in self.batches:
+            self.run(packed)
+        common.sync(self.device)
+        t0 = time.perf_counter()
+        for packed in self.batches:
+            self.run(packed)
+        common.sync(self.device)
+        secs = time.perf_counter() - t0
+        rate = 2 * self.params * self.patches / secs / 1e12
+        features = torch.cat(self.run(self.largest).pooler_output).float()
+        parity = ("" if reference is None else
+                  f"; features against the first line's: max |d| {(features - reference).abs().max().item():.3g} "
+                  f"(their max |x| {reference.abs().max().item():.3g})")
+        print(f"{label:<60} {secs:6.2f} s  {rate:6.3g} TFLOP/s = {100 * rate / self.matmul_tflops:5.1f}% of "
+              f"measured{parity}")
+        return features
+
+
+def time_steps(tower: Tower) -> None:
+    """The steps of the tower's fast path, one at a time on the same batches: each line adds one."""
+    from lychee_pipeline.reranker import kernels
+    from lychee_pipeline.reranker.families.patch_embed import disable_matmul_patch_embed
+
+    family = common.family()
+    family.disable_fast_path(tower.model)
+    reference = tower.measure("stock transformers forward (SDPA per window / image)")
+    family.enable_fast_path(tower.model)
+    if disable_matmul_patch_embed(tower.model):  # the family's fast path runs its patch embedding as a matmul
+        tower.measure("+ one attention call per window or image size", reference)
+        family.enable_fast_path(tower.model)
+        tower.measure("+ patch embedding as a matmul", reference)
+    else:
+        tower.measure("+ one attention call per window or image size (the fast path)", reference)
+    applied = kernels.apply_kernels(tower.model.base_model, "auto", tower.device)
+    if applied != "liger":
+        print(f"fused kernels: {applied} (the family or the machine does not take liger)")
+        return
+    tower.measure("+ liger: vision RMSNorm, SwiGLU and rotary (the default)", reference)
+    from liger_kernel.transformers import LigerSwiGLUMLP
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf  # the family liger is applied to
+
+    ours, hf.apply_rotary_pos_emb_vision = hf.apply_rotary_pos_emb_vision, kernels.stock_vision_rotary()
+    tower.measure("  the same with the stock vision rotary (its share)", reference)
+    hf.apply_rotary_pos_emb_vision = ours
+    mlps = [block.mlp for block in tower.vl_model.visual.blocks]
+    if mlps[0].gate_proj.out_features % MLP_ALIGN:
+        with torch.no_grad():
+            for mlp in mlps:
+                mlp.forward = functools.partial(padded_mlp_forward, mlp, padded_mlp_weights(mlp))
+        tower.measure(f"  candidate: the MLP padded to a multiple of {MLP_ALIGN} (not in the library)", reference)
+        for mlp in mlps:
+            mlp.forward = LigerSwiGLUMLP.forward.__get__(mlp, type(mlp))
+
+
+def print_profile(tower: Tower, rows: int) -> None:
+    """The ``torch.profiler`` table of the largest batch (kernels on a GPU, operators on a CPU), grouped by kind."""
+    cuda = tower.device.type == "cuda"
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    largest = tower.largest
+    with torch.inference_mode(), torch.profiler.profile(activities=[activity]) as prof:
+        tower.run(largest)
+        common.sync(tower.device)
+
+    def own_time(e) -> float:  # microseconds: the kernels' on a GPU, the operators' own host time on a CPU
+        return e.self_device_time_total if cuda else e.self_cpu_time_total
+
+    events = [e for e in prof.key_averages() if own_time(e) > 0]
+    total = sum(own_time(e) for e in events)
+    by_kind: dict[str, float] = {}
+    for e in events:
+        by_kind[kind_of(e.key)] = by_kind.get(kind_of(e.key), 0.0) + own_time(e)
+    print(f"one batch of {int(largest.pixel_values.shape[0])} patches: {total / 1e3:.1f} ms of "
+          f"{'kernels' if cuda else 'operators'}; "
+          + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])))
+    for e in sorted(events, key=lambda e: -own_time(e))[:rows]:
+        print(f"{100 * own_time(e) / total:5.1f}%  {own_time(e) / 1e3:7.2f} ms "
+              f"{e.count:5d}x  [{kind_of(e.key)}] {e.key[:110]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=tuple(common.SIZES), default="qwen2_5_vl")
@@ -100,88 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     paths = inference.jpeg_files(Path(folder) / "jpegs", "jpeg800", args.pairs, 7)
     pairs = inference.make_pairs(model.processor, args.pairs // 8, 8, 600, 0.5, 448, 7, paths)
     batches = [to_device(batch, device)["packed"] for _, batch in Reranker(model, batch_size=32).batches(pairs)]
-    vl_model = model.base_model.model
-    tower_params = sum(p.numel() for p in vl_model.visual.parameters())
-    matmul = common.matmul_tflops(device)
-    patches = sum(int(p.pixel_values.shape[0]) for p in batches)
-    largest = max(batches, key=lambda p: p.pixel_values.shape[0])
-    print(f"tower: {tower_params / 1e6:.1f}M params, {len(batches)} batches, {patches} patches "
-          f"({patches / sum(len(p.image_keys or ()) or 1 for p in batches):.0f} per image); rates are matmul FLOPs "
-          f"(2 x tower params x patches) over the time, against the measured bf16 matmul rate {matmul:.3g} TFLOP/s")
-
-    def run(packed):
-        return vl_model.get_image_features(packed.pixel_values, packed.image_grid_thw, return_dict=True,
-                                           **packed.vision_to_device, **packed.vision_on_host)
-
-    @torch.inference_mode()
-    def measure(label: str, reference: torch.Tensor | None = None) -> torch.Tensor:
-        for packed in batches:  # warm-up (kernels chosen, Triton compiled)
-            run(packed)
-        common.sync(device)
-        t0 = time.perf_counter()
-        for packed in batches:
-            run(packed)
-        common.sync(device)
-        secs = time.perf_counter() - t0
-        rate = 2 * tower_params * patches / secs / 1e12
-        features = torch.cat(run(largest).pooler_output).float()
-        parity = ("" if reference is None else
-                  f"; features against the first line's: max |d| {(features - reference).abs().max().item():.3g} "
-                  f"(their max |x| {reference.abs().max().item():.3g})")
-        print(f"{label:<60} {secs:6.2f} s  {rate:6.3g} TFLOP/s = {100 * rate / matmul:5.1f}% of measured{parity}")
-        return features
-
-    # the steps of the tower's fast path, one at a time on the same batches: each line adds one
-    from lychee_pipeline.reranker import kernels
-    from lychee_pipeline.reranker.families.patch_embed import disable_matmul_patch_embed
-
-    common.family().disable_fast_path(model)
-    reference = measure("stock transformers forward (SDPA per window / image)")
-    common.family().enable_fast_path(model)
-    disable_matmul_patch_embed(model)
-    measure("+ one attention call per window or image size", reference)
-    common.family().enable_fast_path(model)
-    measure("+ patch embedding as a matmul", reference)
-    applied = kernels.apply_kernels(model.base_model, "auto", device)
-    if applied == "liger":
-        measure("+ liger: vision RMSNorm, SwiGLU and rotary (the default)", reference)
-        from liger_kernel.transformers import LigerSwiGLUMLP
-        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf  # the family liger is applied to
-
-        ours, hf.apply_rotary_pos_emb_vision = hf.apply_rotary_pos_emb_vision, kernels.stock_vision_rotary()
-        measure("  the same with the stock vision rotary (its share)", reference)
-        hf.apply_rotary_pos_emb_vision = ours
-        mlps = [block.mlp for block in vl_model.visual.blocks]
-        if mlps[0].gate_proj.out_features % MLP_ALIGN:
-            with torch.no_grad():
-                for mlp in mlps:
-                    mlp.forward = functools.partial(padded_mlp_forward, mlp, padded_mlp_weights(mlp))
-            measure(f"  candidate: the MLP padded to a multiple of {MLP_ALIGN} (not in the library)", reference)
-            for mlp in mlps:
-                mlp.forward = LigerSwiGLUMLP.forward.__get__(mlp, type(mlp))
-    else:
-        print(f"fused kernels: {applied} (the family or the machine does not take liger)")
-
-    activity = torch.profiler.ProfilerActivity.CUDA if device.type == "cuda" else torch.profiler.ProfilerActivity.CPU
-    with torch.inference_mode():
-        with torch.profiler.profile(activities=[activity]) as prof:
-            run(largest)
-            common.sync(device)
-
-    def own_time(e) -> float:  # microseconds: the kernels' on a GPU, the operators' own host time on a CPU
-        return e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total
-
-    events = [e for e in prof.key_averages() if own_time(e) > 0]
-    total = sum(own_time(e) for e in events)
-    by_kind: dict[str, float] = {}
-    for e in events:
-        by_kind[kind_of(e.key)] = by_kind.get(kind_of(e.key), 0.0) + own_time(e)
-    print(f"one batch of {int(largest.pixel_values.shape[0])} patches: {total / 1e3:.1f} ms of "
-          f"{'kernels' if device.type == 'cuda' else 'operators'}; "
-          + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])))
-    for e in sorted(events, key=lambda e: -own_time(e))[: args.rows]:
-        print(f"{100 * own_time(e) / total:5.1f}%  {own_time(e) / 1e3:7.2f} ms "
-              f"{e.count:5d}x  [{kind_of(e.key)}] {e.key[:110]}")
+    tower = Tower(model, batches, device, common.matmul_tflops(device))
+    images = sum(len(p.image_keys or ()) or 1 for p in batches)
+    print(f"tower: {tower.params / 1e6:.1f}M params, {len(batches)} batches, {tower.patches} patches "
+          f"({tower.patches / images:.0f} per image); rates are matmul FLOPs (2 x tower params x patches) over the "
+          f"time, against the measured bf16 matmul rate {tower.matmul_tflops:.3g} TFLOP/s")
+    time_steps(tower)
+    print_profile(tower, args.rows)
     return 0
 
 

@@ -144,15 +144,16 @@ def test_prefix_reuse_auto_is_on_only_where_attention_is_one_varlen_call(monkeyp
     padded model or a family that refuses it; anything but auto / true / false is a one-line error."""
     cpu, gpu, bf16 = torch.device("cpu"), torch.device("cuda", 0), torch.bfloat16
     resolve = prefix.resolve_prefix_reuse
-    assert resolve("auto", True, None, cpu, bf16) is False  # the real check on this machine
-    assert resolve(True, True, None, cpu, torch.float32) is True and resolve(False, True, None, gpu, bf16) is False
+    padded = "prefix_reuse needs packed pairs (model.pack_pairs: true); set prefix_reuse: false"
+    assert resolve("auto", None, cpu, bf16) is False  # the real check on this machine
+    assert resolve(True, None, cpu, torch.float32) is True and resolve(False, None, gpu, bf16) is False
     monkeypatch.setattr(packing, "varlen_attention_ready", lambda device: torch.device(device).type == "cuda")
-    assert resolve("auto", True, None, gpu, bf16) is True
-    assert resolve("auto", True, None, gpu, torch.float32) is False  # fp32: one masked SDPA call per segment
-    assert resolve("auto", False, None, gpu, bf16) is False  # padded pairs
-    assert resolve("auto", True, "no shared prefix in this family", gpu, bf16) is False
+    assert resolve("auto", None, gpu, bf16) is True
+    assert resolve("auto", None, gpu, torch.float32) is False  # fp32: one masked SDPA call per segment
+    assert resolve("auto", padded, gpu, bf16) is False  # padded pairs
+    assert resolve("auto", "no shared prefix in this family", gpu, bf16) is False
     with pytest.raises(ValueError, match=r"^prefix_reuse must be auto, true or false, got 'yes'$"):
-        resolve("yes", True, None, gpu, bf16)
+        resolve("yes", None, gpu, bf16)
 
 
 def test_the_variable_length_kernels_inputs_give_the_masked_attention(make_model, tmp_path):

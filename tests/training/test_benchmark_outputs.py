@@ -84,3 +84,21 @@ def test_vision_tower_candidate_padded_mlp_equals_the_stock_mlp():
         weights = vision_tower.padded_mlp_weights(mlp)
         assert weights[0].shape == (2 * 128, 32) and weights[2].shape == (32, 128)
         torch.testing.assert_close(vision_tower.padded_mlp_forward(mlp, weights, x), mlp(x), rtol=1e-5, atol=1e-6)
+
+
+def test_vision_tower_prints_each_step_with_its_parity(capsys):
+    """vision_tower.py --tiny (the CPU run of the GPU tool): a line per fast-path step, each with the features'
+    largest difference from the stock forward's, then the profile by kind."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import vision_tower
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert vision_tower.main(["--tiny", "--pairs", "8", "--rows", "3"]) == 0
+    out = capsys.readouterr().out
+    steps = [line for line in out.splitlines() if "TFLOP/s =" in line]
+    assert [line.split("  ")[0].strip() for line in steps] == [
+        "stock transformers forward (SDPA per window / image)", "+ one attention call per window or image size",
+        "+ patch embedding as a matmul"]
+    assert all("features against the first line's: max |d|" in line for line in steps[1:])
+    assert "one batch of" in out and "[attention]" in out

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from .collate import DEFAULT_MAX_LENGTH, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, PairCollator
-from .families import refused
 from .model import LycheeReranker, ModelConfig, load_reranker, processing_of, read_metadata
 from .packing import PackedBatch
 from .prefix import resolve_prefix_reuse
@@ -168,8 +167,8 @@ class Reranker:
         # through the language model once per batch, each candidate attending to it (reranker/prefix.py); the
         # scores are the plain packed path's. Refused in one line for a model that does not pack pairs. auto: on where
         # the packed attention is one variable-length call per layer (a CUDA GPU; reranker/prefix.py says why).
-        reuse = resolve_prefix_reuse(prefix_reuse, model.config.pack_pairs, refused(model.family, "prefix_reuse"),
-                                     model.device, next(model.backbone.parameters()).dtype)
+        reuse = resolve_prefix_reuse(prefix_reuse, model.prefix_reuse_refusal(), model.device,
+                                     next(model.backbone.parameters()).dtype)
         if reuse:
             model.require_prefix_reuse()
         self.preparation.prefix_reuse = reuse

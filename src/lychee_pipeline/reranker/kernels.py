@@ -111,12 +111,12 @@ def apply_liger(model: nn.Module) -> dict[str, Any]:
 
     The modules of this model instance are switched one by one (the language model's norms and MLPs, the vision
     blocks' norms: what liger's own Qwen2.5-VL switch does to an instance; and the vision blocks' MLPs) rather
-    than through
-    ``apply_liger_kernel_to_qwen2_5_vl``: liger-kernel 0.8.5's switch imports an output class that transformers
-    5.24 renamed and fails with an ImportError, and it also replaces transformers' norm and MLP classes for every
-    model built later in the process. The rotary functions (text and vision) are still replaced in transformers'
-    module (below), as liger does: they are module-level functions, not a part of the instance. It knows Qwen2.5-VL's modules only: a
-    family whose modules it does not know refuses ``kernels`` (``REFUSED_FAST_PATHS``)."""
+    than through ``apply_liger_kernel_to_qwen2_5_vl``: liger-kernel 0.8.5's switch imports an output class that
+    transformers 5.24 renamed and fails with an ImportError, and it also replaces transformers' norm and MLP
+    classes for every model built later in the process. The rotary functions (text and vision) are still replaced
+    in transformers' module (below), as liger does: they are module-level functions, not a part of the instance.
+    It knows Qwen2.5-VL's modules only: a family whose modules it does not know refuses ``kernels``
+    (``REFUSED_FAST_PATHS``)."""
     from liger_kernel.transformers import LigerRMSNorm, LigerSwiGLUMLP
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf
 

@@ -269,15 +269,22 @@ class LycheeReranker(nn.Module):
         return {"packed": pack_batch(self.base_model.model, model_inputs, share_prefixes, keyed_images),
                 **{k: v for k, v in batch.items() if k in NON_MODEL_KEYS}}
 
-    def require_prefix_reuse(self) -> None:
-        """One line where prefix reuse (``reranker/prefix.py``) cannot run on this model: it lives in the packed
-        forward, and the family must not refuse it."""
+    def prefix_reuse_refusal(self) -> str | None:
+        """Why prefix reuse (``reranker/prefix.py``) cannot run on this model, in one line, or None: it lives in the
+        packed forward, and the family must not refuse it."""
         if not self.config.pack_pairs:
-            raise ValueError("prefix_reuse needs packed pairs (model.pack_pairs: true); set prefix_reuse: false")
+            return "prefix_reuse needs packed pairs (model.pack_pairs: true); set prefix_reuse: false"
         reason = refused(self.family, "prefix_reuse")
         if reason is not None:
-            raise ValueError(f"prefix_reuse: the {self.family.NAME} family does not support it: {reason}; "
-                             "set prefix_reuse: false")
+            return (f"prefix_reuse: the {self.family.NAME} family does not support it: {reason}; "
+                    "set prefix_reuse: false")
+        return None
+
+    def require_prefix_reuse(self) -> None:
+        """:meth:`prefix_reuse_refusal` as an error."""
+        refusal = self.prefix_reuse_refusal()
+        if refusal is not None:
+            raise ValueError(refusal)
 
     def forward(self, vision_cache: VisionFeatureCache | None = None, **batch: Any) -> torch.Tensor:
         """Tensor[N, 2] (fp32) of (yes, no) logits at the last position.

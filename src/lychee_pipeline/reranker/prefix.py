@@ -34,21 +34,19 @@ import torch
 MIN_SHARED_TOKENS = 8  # below this a shared prefix is not worth a segment of its own
 
 
-def resolve_prefix_reuse(choice: bool | str, packs_pairs: bool, refusal: str | None, device: torch.device,
-                         dtype: torch.dtype) -> bool:
+def resolve_prefix_reuse(choice: bool | str, refusal: str | None, device: torch.device, dtype: torch.dtype) -> bool:
     """A scorer's ``prefix_reuse``: ``True`` / ``False`` as given (``True`` where it cannot run is refused by the
     model, in one line), ``"auto"`` on where the packed batch's attention is one variable-length flash call per
-    layer (packed pairs, a family that does not refuse it, half precision on a CUDA GPU with the kernel): there
-    sharing a prefix only removes work, and the scores are the plain path's. Off elsewhere: a CPU, or fp32, attends
-    one masked SDPA call per segment."""
+    layer (the model takes prefix reuse: ``refusal`` is its ``prefix_reuse_refusal()``; half precision on a CUDA GPU
+    with the kernel): there sharing a prefix only removes work, and the scores are the plain path's. Off elsewhere:
+    a CPU, or fp32, attends one masked SDPA call per segment."""
     if isinstance(choice, bool):
         return choice
     if choice != "auto":
         raise ValueError(f"prefix_reuse must be auto, true or false, got {choice!r}")
     from .packing import varlen_attention_ready
 
-    return (packs_pairs and refusal is None and dtype in (torch.float16, torch.bfloat16)
-            and varlen_attention_ready(device))
+    return refusal is None and dtype in (torch.float16, torch.bfloat16) and varlen_attention_ready(device)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ Importing this module costs nothing but the standard library.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import types
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -116,3 +117,25 @@ def transformers_model(model: Any) -> Any:
         if isinstance(module, PreTrainedModel):
             return module
     raise TypeError(f"no transformers PreTrainedModel inside {type(model).__name__}")
+
+
+ORIG_FORWARD = "_lychee_orig_forward"  # where a fast path keeps the forward it replaced on a module instance
+
+
+def bind_forward(module: Any, forward: Callable[..., Any], key: str = ORIG_FORWARD) -> bool:
+    """Give ``module`` (an instance) the forward ``forward(module, ...)``, keeping its class's forward under ``key``
+    for :func:`restore_forward`; False, and nothing done, where a forward is kept under ``key`` already."""
+    if key in module.__dict__:
+        return False
+    module.__dict__[key] = module.forward
+    module.forward = types.MethodType(forward, module)
+    return True
+
+
+def restore_forward(module: Any, key: str = ORIG_FORWARD) -> bool:
+    """Undo :func:`bind_forward`: ``module`` takes its class's forward again; False where nothing was bound."""
+    if key not in module.__dict__:
+        return False
+    del module.__dict__["forward"]
+    del module.__dict__[key]
+    return True

@@ -13,11 +13,11 @@ their names and the saved checkpoint are untouched; the forward is bound on the 
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .base import bind_forward, restore_forward
 
 STOCK_FORWARD = "_lychee_stock_patch_embed_forward"
 
@@ -41,22 +41,11 @@ def patch_embed_as_matmul(self: nn.Module, hidden_states: torch.Tensor) -> torch
 def enable_matmul_patch_embed(model: nn.Module, embed_classes: tuple[type, ...]) -> list[nn.Module]:
     """Bind :func:`patch_embed_as_matmul` on every ``embed_classes`` module of ``model`` whose ``proj`` is a
     patch-wise convolution (idempotent); returns the modules switched now."""
-    switched = []
-    for module in model.modules():
-        if (isinstance(module, embed_classes) and STOCK_FORWARD not in module.__dict__
-                and is_patchwise_conv(getattr(module, "proj", None))):
-            module.__dict__[STOCK_FORWARD] = module.forward
-            module.forward = types.MethodType(patch_embed_as_matmul, module)
-            switched.append(module)
-    return switched
+    return [module for module in model.modules()
+            if isinstance(module, embed_classes) and is_patchwise_conv(getattr(module, "proj", None))
+            and bind_forward(module, patch_embed_as_matmul, STOCK_FORWARD)]
 
 
 def disable_matmul_patch_embed(model: nn.Module) -> int:
     """The stock convolution forward again on every module :func:`enable_matmul_patch_embed` switched."""
-    restored = 0
-    for module in model.modules():
-        if STOCK_FORWARD in module.__dict__:
-            del module.__dict__["forward"]
-            del module.__dict__[STOCK_FORWARD]
-            restored += 1
-    return restored
+    return sum(restore_forward(module, STOCK_FORWARD) for module in model.modules())

@@ -29,20 +29,16 @@ Nothing here changes parameters or saved weights.
 
 from __future__ import annotations
 
-import sys
-import types
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..base import ORIG_FORWARD, bind_forward, restore_forward
 from ..patch_embed import disable_matmul_patch_embed, enable_matmul_patch_embed
-from ..segments import segment_plan
+from ..segments import batched_vision_attention_forward, segment_plan
 from .model import hf_modeling, vision_classes
-
-ORIG_FORWARD = "_lychee_orig_forward"
-
 
 def vision_inputs_on_host(vision_config: Any, image_grid_thw: torch.Tensor) -> tuple[dict[str, Any], dict[str, Any]]:
     """What the vision tower derives from the image grids alone, computed on the host: ``(to the device, stays
@@ -69,60 +65,6 @@ def vision_inputs_on_host(vision_config: Any, image_grid_thw: torch.Tensor) -> t
     return to_device, on_host
 
 
-def batched_vision_attention_forward(
-    self: nn.Module,
-    hidden_states: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-    max_seqlen: int | None = None,
-    **kwargs: Any,
-) -> torch.Tensor:
-    """``Qwen2_5_VLVisionAttention.forward`` with one attention call per distinct segment length. Qwen3-VL's vision
-    attention has the same forward (whole images as segments): its fast path binds this too."""
-    hf = sys.modules[type(self).__module__]  # the module's own transformers modelling file (either family)
-    if hf.is_flash_attention_requested(self.config):  # flash-attn is already variable-length: keep it
-        cu_seqlens = cu_seqlens.to(hidden_states.device, non_blocking=True)  # prepared on the host
-        return getattr(self, ORIG_FORWARD)(hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs)
-
-    seq_length = hidden_states.shape[0]
-    query_states, key_states, value_states = (
-        self.qkv(hidden_states).reshape(seq_length, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
-    )
-    cos, sin = position_embeddings
-    query_states, key_states = hf.apply_rotary_pos_emb_vision(query_states, key_states, cos, sin)
-    heads, head_dim = query_states.shape[1], query_states.shape[2]
-
-    attention_interface = hf.ALL_ATTENTION_FUNCTIONS.get_interface(
-        self.config._attn_implementation, hf.eager_attention_forward
-    )
-    dropout = 0.0 if not self.training else self.attention_dropout
-
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, length: int) -> torch.Tensor:
-        # [count * length, H, D] -> [count, H, length, D]; returns [count * length, H * D]
-        q, k, v = (t.reshape(count, length, heads, head_dim).transpose(1, 2) for t in (q, k, v))
-        out = attention_interface(
-            self, q, k, v, attention_mask=None, scaling=self.scaling, dropout=dropout, is_causal=False, **kwargs
-        )[0]
-        return out.reshape(count * length, heads * head_dim)
-
-    plan = segment_plan(cu_seqlens)
-    if len(plan) == 1 and plan[0].start == 0 and plan[0].count * plan[0].length == seq_length:
-        g = plan[0]
-        attn_output = attend(query_states, key_states, value_states, g.count, g.length)
-    else:
-        attn_output = query_states.new_empty(seq_length, heads * head_dim)
-        for g in plan:
-            if g.index is None:
-                rows = slice(g.start, g.start + g.count * g.length)
-                attn_output[rows] = attend(query_states[rows], key_states[rows], value_states[rows], g.count, g.length)
-            else:
-                rows = g.rows_on(hidden_states.device)
-                picked = [t.index_select(0, rows) for t in (query_states, key_states, value_states)]
-                attn_output.index_copy_(0, rows, attend(*picked, g.count, g.length))
-
-    return self.proj(attn_output.contiguous())
-
-
 def _frozen_no_grad_forward(self: nn.Module, *args: Any, **kwargs: Any):
     original = getattr(self, ORIG_FORWARD)
     if torch.is_grad_enabled() and not any(p.requires_grad for p in self.parameters()):
@@ -145,9 +87,7 @@ class FastPathHandle:
 
     def disable(self) -> None:
         for module in self.attention_modules + self.vision_towers:
-            if ORIG_FORWARD in module.__dict__:
-                del module.__dict__["forward"]
-                del module.__dict__[ORIG_FORWARD]
+            restore_forward(module)
         for module in self.patch_embeds:
             disable_matmul_patch_embed(module)
         self.attention_modules.clear()
@@ -170,16 +110,12 @@ def enable_fast_path(model: nn.Module, batched_windows: bool = True, frozen_visi
     attention_cls, tower_cls = vision_classes()
     handle = FastPathHandle()
     for module in model.modules():
-        if ORIG_FORWARD in module.__dict__:
-            continue  # already patched
         if batched_windows and isinstance(module, attention_cls):
-            module.__dict__[ORIG_FORWARD] = module.forward
-            module.forward = types.MethodType(batched_vision_attention_forward, module)
-            handle.attention_modules.append(module)
+            if bind_forward(module, batched_vision_attention_forward):
+                handle.attention_modules.append(module)
         elif frozen_vision_no_grad and isinstance(module, tower_cls):
-            module.__dict__[ORIG_FORWARD] = module.forward
-            module.forward = types.MethodType(_frozen_no_grad_forward, module)
-            handle.vision_towers.append(module)
+            if bind_forward(module, _frozen_no_grad_forward):
+                handle.vision_towers.append(module)
     if matmul_patch_embed:
         handle.patch_embeds = enable_matmul_patch_embed(model, (hf_modeling().Qwen2_5_VisionPatchEmbed,))
     return handle
@@ -187,10 +123,7 @@ def enable_fast_path(model: nn.Module, batched_windows: bool = True, frozen_visi
 
 def disable_fast_path(model: nn.Module) -> None:
     """Undo :func:`enable_fast_path` on every module of ``model``."""
-    handle = FastPathHandle()
     for module in model.modules():
-        if ORIG_FORWARD in module.__dict__:
-            handle.attention_modules.append(module)
-    handle.disable()
+        restore_forward(module)
     disable_matmul_patch_embed(model)
 

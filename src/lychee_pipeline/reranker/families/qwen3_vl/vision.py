@@ -12,16 +12,14 @@
 from __future__ import annotations
 
 import functools
-import types
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..base import transformers_model
+from ..base import bind_forward, restore_forward, transformers_model
 from ..qwen2_5_vl.checkpointing import checkpoint_first_layers
-from ..qwen2_5_vl.fast_vision import ORIG_FORWARD, batched_vision_attention_forward
-from ..segments import segment_plan
+from ..segments import batched_vision_attention_forward, segment_plan
 from .model import decoder_layers, hf_modeling, vision_towers
 
 _FAST_ATTR = "_lychee_frozen_without_autograd"
@@ -49,9 +47,8 @@ def enable_fast_path(model: nn.Module) -> nn.Module:
         tower.forward = forward
         setattr(tower, _FAST_ATTR, True)
     for module in transformers_model(model).modules():
-        if isinstance(module, hf_modeling().Qwen3VLVisionAttention) and ORIG_FORWARD not in module.__dict__:
-            module.__dict__[ORIG_FORWARD] = module.forward
-            module.forward = types.MethodType(batched_vision_attention_forward, module)
+        if isinstance(module, hf_modeling().Qwen3VLVisionAttention):
+            bind_forward(module, batched_vision_attention_forward)
     return model
 
 
@@ -62,9 +59,7 @@ def disable_fast_path(model: nn.Module) -> nn.Module:
             del tower.forward
             setattr(tower, _FAST_ATTR, False)
     for module in transformers_model(model).modules():
-        if ORIG_FORWARD in module.__dict__:
-            del module.__dict__["forward"]
-            del module.__dict__[ORIG_FORWARD]
+        restore_forward(module)
     return model
 
 
