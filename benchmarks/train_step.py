@@ -1,6 +1,6 @@
 """Training-step benchmark on the Qwen2.5-VL-7B architecture (random weights, bf16, LoRA r=16 on q/k/v/o), or
-Qwen3-VL-2B / -8B (``--family qwen3_vl --size 2b|8b``; variants a, b, c<K>, +pack: its family refuses liger and
-has no batched-window vision path).
+Qwen3-VL-2B / -8B (``--family qwen3_vl --size 2b|8b``; every variant but the batched-window ones, which that
+family has no path for).
 
     PYTHONPATH=src python benchmarks/train_step.py            # on a CUDA GPU (the figures of docs/benchmarks.md)
     PYTHONPATH=src python benchmarks/train_step.py --tiny     # the same code paths on a CPU, in seconds
@@ -171,26 +171,15 @@ def parse_variant(name: str, num_layers: int, auto_layers: dict | None = None) -
     raise ValueError(f"unknown variant {name!r}")
 
 
-_PLAIN_ROPE: dict = {}
-
-
 def set_liger(reranker: LycheeReranker, on: bool) -> None:
     """liger-kernel on the model instance, or back to the plain modules (so variants may come in any order)."""
-    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf
-
-    patched = [m for m in reranker.modules() if "forward" in m.__dict__ and m._get_name().startswith("Liger")]
+    targets = common.family().fused_kernel_targets()
+    patched = any("forward" in m.__dict__ and m._get_name().startswith("Liger") for m in reranker.modules())
     if on and not patched:
         fused_kernels.resolve_kernels("liger", reranker.device)  # one-line error without liger-kernel or CUDA
-        for attr in ("apply_rotary_pos_emb", "apply_multimodal_rotary_pos_emb", "apply_rotary_pos_emb_vision"):
-            if hasattr(hf, attr):
-                _PLAIN_ROPE.setdefault(attr, getattr(hf, attr))
-        log(f"liger-kernel applied: {fused_kernels.apply_liger(reranker.base_model)}")
+        log(f"liger-kernel applied: {fused_kernels.apply_liger(reranker.base_model, targets)}")
     elif not on and patched:
-        for module in patched:
-            for attr in ("forward", "extra_repr", "_get_name"):
-                module.__dict__.pop(attr, None)
-        for attr, fn in _PLAIN_ROPE.items():
-            setattr(hf, attr, fn)
+        fused_kernels.remove_liger(reranker.base_model, targets)
 
 
 def set_compile(reranker: LycheeReranker, on: bool) -> None:

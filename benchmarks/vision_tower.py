@@ -152,15 +152,18 @@ def time_steps(tower: Tower) -> None:
     if applied != "liger":
         print(f"fused kernels: {applied} (the family or the machine does not take liger)")
         return
-    tower.measure("+ liger: vision RMSNorm, SwiGLU and rotary (the default)", reference)
-    from liger_kernel.transformers import LigerSwiGLUMLP
-    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf  # the family liger is applied to
-
-    ours, hf.apply_rotary_pos_emb_vision = hf.apply_rotary_pos_emb_vision, kernels.stock_vision_rotary()
+    targets = family.fused_kernel_targets()
+    plan = kernels.liger_plan(tower.vl_model.visual, targets)  # what liger switched inside the tower
+    tower.measure(f"+ liger in the tower: {len(plan.rms_norms)} RMSNorm, {len(plan.swiglu_mlps)} SwiGLU, rotary "
+                  "(the default)", reference)
+    hf = targets.modeling
+    ours, hf.apply_rotary_pos_emb_vision = hf.apply_rotary_pos_emb_vision, kernels.stock_vision_rotary(hf)
     tower.measure("  the same with the stock vision rotary (its share)", reference)
     hf.apply_rotary_pos_emb_vision = ours
-    mlps = [block.mlp for block in tower.vl_model.visual.blocks]
-    if mlps[0].gate_proj.out_features % MLP_ALIGN:
+    mlps = plan.swiglu_mlps
+    if mlps and mlps[0].gate_proj.out_features % MLP_ALIGN:
+        from liger_kernel.transformers import LigerSwiGLUMLP
+
         with torch.no_grad():
             for mlp in mlps:
                 mlp.forward = functools.partial(padded_mlp_forward, mlp, padded_mlp_weights(mlp))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lychee_pipeline.reranker import kernels
+from lychee_pipeline.reranker.families import qwen2_5_vl, qwen3_vl
 from lychee_pipeline.reranker.families.qwen2_5_vl import decoder_layers
 
 
@@ -55,17 +56,31 @@ def test_compiled_layers_are_marked(make_model):
     assert all(layer._compiled_call_impl is None for layer in decoder_layers(make_model()))
 
 
-def test_vision_rotary_keeps_the_stock_function_on_a_cpu():
+@pytest.mark.parametrize("family", [qwen2_5_vl, qwen3_vl], ids=lambda f: f.NAME)
+def test_vision_rotary_keeps_the_stock_function_on_a_cpu_and_remove_liger_puts_it_back(family, make_model):
     """The vision rotary replacement is process-wide once liger is applied on a GPU; a CPU tensor still gets
-    transformers' own function (bit for bit)."""
-    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf
-
+    transformers' own function (bit for bit), and :func:`remove_liger` puts the stock function back."""
+    hf = family.fused_kernel_targets().modeling
+    stock = hf.apply_rotary_pos_emb_vision
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(10, 2, 8, generator=gen), torch.randn(10, 2, 8, generator=gen)
     half = torch.randn(10, 4, generator=gen)
     cos, sin = torch.cat([half.cos()] * 2, -1), torch.cat([half.sin()] * 2, -1)
-    for ours, stock in zip(kernels.vision_rotary_one_pass(q, k, cos, sin),
-                           kernels.stock_vision_rotary()(q, k, cos, sin)):
-        assert torch.equal(ours, stock)
-    assert kernels.stock_vision_rotary() is not kernels.vision_rotary_one_pass
-    assert hf.apply_rotary_pos_emb_vision in (kernels.stock_vision_rotary(), kernels.vision_rotary_one_pass)
+    try:
+        kernels._replace_rotary(hf, "apply_rotary_pos_emb_vision", kernels.vision_rotary_for(hf))
+        assert hf.apply_rotary_pos_emb_vision is not stock and kernels.stock_vision_rotary(hf) is stock
+        for ours, theirs in zip(hf.apply_rotary_pos_emb_vision(q, k, cos, sin), stock(q, k, cos, sin)):
+            assert torch.equal(ours, theirs)
+    finally:
+        kernels.remove_liger(make_model(finetune="frozen"), family.fused_kernel_targets())
+    assert hf.apply_rotary_pos_emb_vision is stock and kernels.stock_vision_rotary(hf) is stock
+
+
+def test_liger_plan_covers_qwen2_5_vl_language_model_and_tower(make_model):
+    """Every Qwen2.5-VL RMSNorm (language model, vision blocks, merger) and every gated MLP (both SiLU)."""
+    model = make_model(finetune="frozen")
+    plan = kernels.liger_plan(model, qwen2_5_vl.fused_kernel_targets())
+    layers = decoder_layers(model)
+    blocks = model.base_model.model.visual.blocks
+    assert len(plan.rms_norms) == 2 * len(layers) + 1 + 2 * len(blocks) + 1  # + the final norm, the merger's ln_q
+    assert {id(m) for m in plan.swiglu_mlps} == {id(m.mlp) for m in [*layers, *blocks]} and plan.plain_mlps == []

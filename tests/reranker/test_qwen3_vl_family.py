@@ -15,7 +15,7 @@ from lychee_pipeline.reranker import families
 from lychee_pipeline.reranker.collate import GroupCollator, PairCollator
 from lychee_pipeline.reranker.families import qwen3_vl
 from lychee_pipeline.reranker.inference import Reranker
-from lychee_pipeline.reranker.kernels import resolve_kernels
+from lychee_pipeline.reranker.kernels import liger_plan, resolve_kernels
 from lychee_pipeline.reranker.model import ModelConfig, load_reranker, resolve_model_path
 from lychee_pipeline.reranker.processing import ProcessingConfig
 from lychee_pipeline.reranker.tiny import TINY_MODELS, recipe_hash, tiny_dir
@@ -147,16 +147,22 @@ def test_a_saved_adapter_folder_scores_the_same_and_carries_its_processing_setti
     assert base.processing == ProcessingConfig(max_length=10240, **BUDGET)
 
 
-def test_liger_is_refused_in_one_line_and_auto_packs_without_it(make_qwen3):
-    """liger's switch knows Qwen2.5-VL's modules only: refused in one line, ``auto`` keeps the plain kernels; packing
-    holds for this family (its DeepStack features placed at the packed image rows: tests/reranker/test_packing.py)."""
-    with pytest.raises(RuntimeError) as err:
-        resolve_kernels("liger", "cpu", families.refused(qwen3_vl, "kernels"))
-    assert str(err.value) == ("model.kernels=liger: the model's family does not support it: liger-kernel's fused "
-                              "switch is written for Qwen2.5-VL's modules; use kernels=auto or none")
-    assert resolve_kernels("auto", "cuda", families.refused(qwen3_vl, "kernels")) == "none"
+def test_liger_targets_the_language_model_and_auto_packs(make_qwen3):
+    """liger's kernels go to the language model's RMSNorms (the per-head q/k norms among them) and SiLU-gated MLPs;
+    the tower's LayerNorms and GELU MLPs keep their modules. ``auto`` keeps the plain path on a CPU; packing holds
+    for this family (its DeepStack features placed at the packed image rows: tests/reranker/test_packing.py)."""
+    model = make_qwen3(finetune="frozen")
+    assert families.refused(qwen3_vl, "kernels") is None
+    assert resolve_kernels("auto", "cpu", families.refused(qwen3_vl, "kernels")) == "none"
+    plan = liger_plan(model, qwen3_vl.fused_kernel_targets())
+    layers = qwen3_vl.decoder_layers(model.base_model)
+    assert len(plan.rms_norms) == 4 * len(layers) + 1  # input, post-attention, q and k norms; the final norm
+    assert {id(layer.self_attn.q_norm) for layer in layers} <= {id(n) for n in plan.rms_norms}
+    assert [id(m) for m in plan.swiglu_mlps] == [id(layer.mlp) for layer in layers] and plan.plain_mlps == []
+    tower = qwen3_vl.model.vision_towers(model.base_model)[0]
+    assert not {id(m) for m in tower.modules()} & {id(m) for m in plan.rms_norms + plan.swiglu_mlps}
     assert families.refused(qwen3_vl, "pack_pairs") is None
-    assert make_qwen3(finetune="frozen").config.pack_pairs is True  # auto: packed pairs
+    assert model.config.pack_pairs is True  # auto: packed pairs
     assert make_qwen3(finetune="frozen", pack_pairs=False).config.pack_pairs is False
 
 

@@ -1,33 +1,30 @@
-"""Fused kernels and compiled decoder layers for the Qwen2.5-VL reranker (``model.kernels``, ``model.compile_layers``).
+"""Fused kernels and compiled decoder layers for the reranker (``model.kernels``, ``model.compile_layers``).
 
 The profile of the project's training step (docs/benchmarks.md) puts elementwise work — RMSNorm, the SwiGLU
 product, the rotary embedding, their casts and copies — at about a quarter of the GPU time. Two levers, each a
 switch at load time and measured by ``benchmarks/train_step.py``:
 
 * ``kernels``: ``"liger"`` applies liger-kernel's Triton kernels (a maintained library, the ``gpu`` extra) to the
-  model instance: RMSNorm and SwiGLU (language model and vision blocks) and the rotary embeddings (language model
-  and vision tower). ``"auto"`` does so where ``liger_kernel`` is installed and the device is a CUDA GPU, and keeps
-  the plain path otherwise (CPU CI); ``"none"`` never does. Liger's cross-entropy and fused linear cross-entropy
-  are not used: the reranker reads two logits, not a vocabulary-wide loss.
+  model instance: RMSNorm and SwiGLU where the family has them and the rotary embeddings (language model and
+  vision tower), at the module classes each family names (``fused_kernel_targets``). ``"auto"`` does so where
+  ``liger_kernel`` is installed and the device is a CUDA GPU, and keeps the plain path otherwise (CPU CI);
+  ``"none"`` never does. Liger's cross-entropy and fused linear cross-entropy are not used: the reranker reads
+  two logits, not a vocabulary-wide loss.
 * ``compile_layers``: ``torch.compile`` on every decoder layer (one compiled graph shared by the layers, shapes
   dynamic so a new sequence length does not recompile every step).
-
-Rotary embedding: transformers 5.x folds Qwen2.5-VL's mRoPE sections into ``cos``/``sin`` inside the rotary
-embedding module, and the attention then calls the plain rotate-half ``apply_rotary_pos_emb``; liger's own
-Qwen2.5-VL switch replaces ``apply_multimodal_rotary_pos_emb``, a function these releases no longer call. So the
-rotate-half function is replaced by liger's standard rope kernel (same layout: ``cos``/``sin`` are two equal
-halves), and the multimodal one only where a transformers release still has it. The vision tower's rotary
-function gets the same kernel (:func:`vision_rotary_one_pass`).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from .families.base import FusedKernelTargets
 
 log = logging.getLogger(__name__)
 
@@ -74,30 +71,57 @@ def _to_liger_rms_norm(norm: nn.Module, liger_cls: type) -> None:
         reference = liger_cls(norm.weight.shape[0], eps=norm.variance_epsilon)
     for key, value in vars(reference).items():
         if not key.startswith("_") and key != "training":
+            if key not in norm.__dict__:
+                norm.__dict__.setdefault(_ADDED_ATTRS, []).append(key)
             setattr(norm, key, value)
     _bind(norm, liger_cls)
 
 
-def stock_vision_rotary() -> Any:
-    """transformers' own ``apply_rotary_pos_emb_vision`` of Qwen2.5-VL (kept when :func:`apply_liger` replaces it)."""
-    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf
+_ADDED_ATTRS = "_lychee_liger_attrs"  # the settings _to_liger_rms_norm gave a norm (removed again by remove_liger)
+_STOCK = "_lychee_stock_"  # prefix under which a modelling module keeps a rotary function apply_liger replaced
 
-    return hf.__dict__.get("_lychee_stock_vision_rotary", hf.apply_rotary_pos_emb_vision)
+
+def _silu_gated(mlp: nn.Module) -> bool:
+    """Whether a gate/up/down MLP computes SiLU(gate) * up (liger's SwiGLU computes exactly that)."""
+    from transformers.activations import ACT2CLS
+
+    silu_classes = tuple({ACT2CLS["silu"], ACT2CLS["swish"], nn.SiLU})
+    return isinstance(getattr(mlp, "act_fn", None), silu_classes)
+
+
+@dataclass(frozen=True)
+class LigerPlan:
+    """The module instances of one model that liger's kernels replace (found from the family's targets)."""
+
+    rms_norms: list[nn.Module]
+    swiglu_mlps: list[nn.Module]
+    plain_mlps: list[nn.Module]  # gated MLPs of another activation: kept as they are (named in the log)
+
+
+def liger_plan(model: nn.Module, targets: FusedKernelTargets) -> LigerPlan:
+    """Every instance of the family's RMSNorm classes, and of its gated MLP classes split by activation."""
+    norms = [m for m in model.modules() if isinstance(m, targets.rms_norms)]
+    mlps = [m for m in model.modules() if isinstance(m, targets.gated_mlps)]
+    return LigerPlan(norms, [m for m in mlps if _silu_gated(m)], [m for m in mlps if not _silu_gated(m)])
+
+
+def stock_vision_rotary(modeling: Any) -> Any:
+    """transformers' own ``apply_rotary_pos_emb_vision`` of the modelling module ``modeling`` (the one
+    :func:`apply_liger` replaced, or the one in place)."""
+    return modeling.__dict__.get(_STOCK + "apply_rotary_pos_emb_vision", modeling.apply_rotary_pos_emb_vision)
 
 
 def vision_rotary_one_pass(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' ``apply_rotary_pos_emb_vision`` (q, k: [patches, heads, head_dim]; the arithmetic in fp32, the
-    result in q's dtype) through liger's rope kernel: one contiguous bf16 copy of q and k, then one kernel that
-    rotates each row in fp32 and writes it back in q's dtype. The stock function makes about eight full-size fp32
-    passes over q and k (the upcast, two products, the rotated half's negation and concatenation, the sum, the
-    downcast) in each of the tower's layers, on ~107k patches a scoring batch of 800x800 images: on one H100 the
-    7B tower ran 1.26x faster with this (docs/benchmarks.md, 2026-12-06). liger's own vision variant upcasts q and
-    k to fp32 copies first; here cos and sin are fp32 and the kernel upcasts each row as it loads it. The kernel
-    may fuse a product and a sum into one rounding, so an element can differ from the stock function's by one
-    bf16 step."""
-    if not q.is_cuda:  # the replacement is process-wide (as liger's own switches are): a CPU model keeps the stock one
-        return stock_vision_rotary()(q, k, cos, sin)
+    """transformers' ``apply_rotary_pos_emb_vision`` (q, k: [patches, heads, head_dim] on a CUDA device; the
+    arithmetic in fp32, the result in q's dtype; the same function in Qwen2.5-VL and Qwen3-VL) through liger's
+    rope kernel: one contiguous bf16 copy of q and k, then one kernel that rotates each row in fp32 and writes it
+    back in q's dtype. The stock function makes about eight full-size fp32 passes over q and k (the upcast, two
+    products, the rotated half's negation and concatenation, the sum, the downcast) in each of the tower's layers,
+    on ~107k patches a scoring batch of 800x800 images: on one H100 the 7B tower ran 1.26x faster with this
+    (docs/benchmarks.md, 2026-12-06). liger's own vision variant upcasts q and k to fp32 copies first; here cos and
+    sin are fp32 and the kernel upcasts each row as it loads it. The kernel may fuse a product and a sum into one
+    rounding, so an element can differ from the stock function's by one bf16 step."""
     from liger_kernel.transformers.rope import liger_rotary_pos_emb
 
     q4, k4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k))  # [1, heads, patches, head_dim] views
@@ -105,53 +129,94 @@ def vision_rotary_one_pass(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return q_out.transpose(1, 2).squeeze(0), k_out.transpose(1, 2).squeeze(0)
 
 
-def apply_liger(model: nn.Module) -> dict[str, Any]:
-    """liger-kernel's RMSNorm, SwiGLU and rope (language model and vision tower) on a loaded
-    ``Qwen2_5_VLForConditionalGeneration`` (before LoRA is applied). Returns what was replaced, for the log.
+def vision_rotary_for(modeling: Any) -> Any:
+    """The vision rotary :func:`apply_liger` puts into ``modeling``: :func:`vision_rotary_one_pass` on CUDA
+    tensors, the module's stock function on others (the replacement is process-wide, as liger's own switches are:
+    a CPU model in the same process keeps transformers' arithmetic, bit for bit)."""
+    stock = stock_vision_rotary(modeling)
 
-    The modules of this model instance are switched one by one (the language model's norms and MLPs, the vision
-    blocks' norms: what liger's own Qwen2.5-VL switch does to an instance; and the vision blocks' MLPs) rather
-    than through ``apply_liger_kernel_to_qwen2_5_vl``: liger-kernel 0.8.5's switch imports an output class that
-    transformers 5.24 renamed and fails with an ImportError, and it also replaces transformers' norm and MLP
-    classes for every model built later in the process. The rotary functions (text and vision) are still replaced
-    in transformers' module (below), as liger does: they are module-level functions, not a part of the instance.
-    It knows Qwen2.5-VL's modules only: a family whose modules it does not know refuses ``kernels``
-    (``REFUSED_FAST_PATHS``)."""
+    def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return vision_rotary_one_pass(q, k, cos, sin) if q.is_cuda else stock(q, k, cos, sin)
+
+    rotary.__name__ = rotary.__qualname__ = "vision_rotary_one_pass"
+    return rotary
+
+
+def _replace_rotary(modeling: Any, name: str, fn: Any) -> None:
+    if _STOCK + name not in modeling.__dict__:
+        setattr(modeling, _STOCK + name, getattr(modeling, name))
+    setattr(modeling, name, fn)
+
+
+def apply_liger(model: nn.Module, targets: FusedKernelTargets | None = None) -> dict[str, Any]:
+    """liger-kernel's RMSNorm, SwiGLU and rope (language model and vision tower) on a loaded model of a family
+    that names its targets (``families.<name>.fused_kernel_targets()``; found from the model when None), before
+    LoRA is applied. Returns what was replaced, for the log.
+
+    The modules of this model instance are switched one by one — every instance of the family's RMSNorm classes
+    (Qwen2.5-VL: language model, vision blocks and merger; Qwen3-VL: language model with its per-head q/k norms)
+    and every SiLU-gated MLP (Qwen2.5-VL: language model and vision blocks; Qwen3-VL: language model; its vision
+    MLP is a plain GELU one) — rather than through liger's ``apply_liger_kernel_to_qwen2_5_vl`` /
+    ``..._qwen3_vl``: liger-kernel 0.8.5's Qwen2.5-VL switch imports an output class that transformers 5.24
+    renamed and fails with an ImportError, and its switches also replace transformers' classes for every model
+    built later in the process and the model's forward (a vocabulary-wide fused loss this reranker does not use).
+    The rotary functions (text and vision) are replaced in transformers' modelling module, as liger does: they are
+    module-level functions, not a part of the instance; :func:`remove_liger` puts them back.
+
+    Rotary: transformers 5.x folds the mRoPE sections into ``cos``/``sin`` inside the rotary embedding module, and
+    the attention then calls the plain rotate-half ``apply_rotary_pos_emb``; liger's own Qwen2.5-VL switch
+    replaces ``apply_multimodal_rotary_pos_emb``, a function these releases no longer call. So the rotate-half
+    function is replaced by liger's standard rope kernel (same layout: ``cos``/``sin`` are two equal halves), and
+    the multimodal one only where a transformers release still has it."""
     from liger_kernel.transformers import LigerRMSNorm, LigerSwiGLUMLP
-    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf
 
-    holders = (hf.Qwen2_5_VLDecoderLayer, hf.Qwen2_5_VLTextModel, hf.Qwen2_5_VLVisionBlock)  # modules with norms
-    for module in model.modules():
-        if isinstance(module, hf.Qwen2_5_VLDecoderLayer):
-            if module.mlp.config.hidden_act not in ("silu", "swish"):  # liger's SwiGLU computes SiLU
-                raise ValueError(f"model.kernels=liger: the MLP activation is {module.mlp.config.hidden_act!r}, "
-                                 "liger's SwiGLU needs silu; use model.kernels: none")
-            _bind(module.mlp, LigerSwiGLUMLP)
-        if isinstance(module, hf.Qwen2_5_VisionTransformerPretrainedModel) and module.config.hidden_act in (
-                "silu", "swish"):  # the vision blocks' MLPs are the same gated class, with biases
-            for block in module.blocks:
-                _bind(block.mlp, LigerSwiGLUMLP)
-        if isinstance(module, holders):
-            for name in ("input_layernorm", "post_attention_layernorm", "norm", "norm1", "norm2"):
-                norm = getattr(module, name, None)
-                if isinstance(norm, hf.Qwen2_5_VLRMSNorm):
-                    _to_liger_rms_norm(norm, LigerRMSNorm)
+    if targets is None:
+        from .families import family_of_model
+
+        targets = family_of_model(model).fused_kernel_targets()
+    hf = targets.modeling
+    plan = liger_plan(model, targets)
+    for mlp in plan.swiglu_mlps:
+        if "forward" not in mlp.__dict__:
+            _bind(mlp, LigerSwiGLUMLP)
+    for norm in plan.rms_norms:
+        if "forward" not in norm.__dict__:
+            _to_liger_rms_norm(norm, LigerRMSNorm)
     if hasattr(hf, "apply_multimodal_rotary_pos_emb"):  # releases that apply mRoPE in the attention
         from liger_kernel.transformers.qwen2vl_mrope import liger_multimodal_rotary_pos_emb
 
-        hf.apply_multimodal_rotary_pos_emb = liger_multimodal_rotary_pos_emb
+        _replace_rotary(hf, "apply_multimodal_rotary_pos_emb", liger_multimodal_rotary_pos_emb)
         rope = "multimodal"
     else:  # mRoPE folded into cos/sin: the attention calls the rotate-half function
         from liger_kernel.transformers.rope import liger_rotary_pos_emb
 
-        hf.apply_rotary_pos_emb = liger_rotary_pos_emb
+        _replace_rotary(hf, "apply_rotary_pos_emb", liger_rotary_pos_emb)
         rope = "rotate-half"
-    if hf.apply_rotary_pos_emb_vision is not vision_rotary_one_pass:
-        hf._lychee_stock_vision_rotary = hf.apply_rotary_pos_emb_vision
-        hf.apply_rotary_pos_emb_vision = vision_rotary_one_pass
-    norms = sum(1 for m in model.modules() if m._get_name() == "LigerRMSNorm")
-    mlps = sum(1 for m in model.modules() if m._get_name() == "LigerSwiGLUMLP")
-    return {"rms_norm_modules": norms, "swiglu_modules": mlps, "rope": f"{rope} and vision"}
+    if _STOCK + "apply_rotary_pos_emb_vision" not in hf.__dict__:
+        _replace_rotary(hf, "apply_rotary_pos_emb_vision", vision_rotary_for(hf))
+    done = {"rms_norm_modules": len(plan.rms_norms), "swiglu_modules": len(plan.swiglu_mlps),
+            "rope": f"{rope} and vision"}
+    if plan.plain_mlps:
+        done["mlps_kept_plain"] = f"{len(plan.plain_mlps)} (not SiLU-gated)"
+    return done
+
+
+def remove_liger(model: nn.Module, targets: FusedKernelTargets | None = None) -> int:
+    """Undo :func:`apply_liger` (the benchmarks time both on one model): the instances take their class's forward
+    again and the modelling module its stock rotary functions. Returns how many modules were switched back."""
+    if targets is None:
+        from .families import family_of_model
+
+        targets = family_of_model(model).fused_kernel_targets()
+    switched = [m for m in model.modules() if "forward" in m.__dict__ and m._get_name().startswith("Liger")]
+    for module in switched:
+        for key in ("forward", "_get_name", *module.__dict__.pop(_ADDED_ATTRS, [])):
+            module.__dict__.pop(key, None)
+    hf = targets.modeling
+    for key in [k for k in hf.__dict__ if k.startswith(_STOCK)]:
+        setattr(hf, key[len(_STOCK):], hf.__dict__.pop(key))
+    return len(switched)
 
 
 def compile_decoder_layers(model: nn.Module) -> int:
@@ -196,17 +261,19 @@ def apply_kernels(model: nn.Module, choice: str, device: torch.device | str, fam
     apply it; logs the outcome once. Returns ``"liger"``/``"none"``."""
     from .families import family_of_model, refused
 
-    refusal = refused(family or family_of_model(model), "kernels")
-    kind = resolve_kernels(choice, device, refusal)
+    family = family or family_of_model(model)
+    kind = resolve_kernels(choice, device, refused(family, "kernels"))
     avoid_cudnn_attention(device)
     if kind == "liger":
         from importlib.metadata import version
 
-        done = apply_liger(model)
-        log.info("fused kernels: liger-kernel %s (%d RMSNorm, %d SwiGLU modules, %s rope)", version("liger-kernel"),
-                 done["rms_norm_modules"], done["swiglu_modules"], done["rope"])
+        done = apply_liger(model, family.fused_kernel_targets())
+        log.info("fused kernels: liger-kernel %s (%d RMSNorm, %d SwiGLU modules, %s rope%s)", version("liger-kernel"),
+                 done["rms_norm_modules"], done["swiglu_modules"], done["rope"],
+                 f"; MLPs kept plain: {done['mlps_kept_plain']}" if "mlps_kept_plain" in done else "")
     else:
         why = ("asked for" if choice == "none" else "not installed" if not liger_installed()
-               else "not a CUDA device" if torch.device(device).type != "cuda" else f"the family refuses it: {refusal}")
+               else "not a CUDA device" if torch.device(device).type != "cuda"
+               else f"the family refuses it: {refused(family, 'kernels')}")
         log.info("fused kernels: none (kernels=%s, %s): plain PyTorch path", choice, why)
     return kind

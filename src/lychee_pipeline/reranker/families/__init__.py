@@ -17,9 +17,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .base import FAST_PATHS, ModelFamily, contract_names, refused, require_fast_path, transformers_model
+from .base import FAST_PATHS, FusedKernelTargets, ModelFamily, contract_names, refused, require_fast_path, transformers_model
 
-__all__ = ["FAMILIES", "DEFAULT_FAMILY", "FAST_PATHS", "ModelFamily", "contract_names", "family_for", "family_of", "family_of_model",
+__all__ = ["FAMILIES", "DEFAULT_FAMILY", "FAST_PATHS", "FusedKernelTargets", "ModelFamily", "contract_names", "family_for", "family_of", "family_of_model",
            "refused", "require_fast_path"]
 
 # model_type (config.json) -> the module of its family, imported on first use

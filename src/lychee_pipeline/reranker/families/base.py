@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import types
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -30,6 +31,15 @@ FAST_PATHS = {
     "kernels": ("liger-kernel's fused RMSNorm / SwiGLU / rope on the family's modules", "none"),
     "prefix_reuse": ("a query's shared prompt prefix run once per packed batch (reranker/prefix.py)", "false"),
 }
+
+
+@dataclass(frozen=True)
+class FusedKernelTargets:
+    """Where liger-kernel's kernels go in a family's modules (``model.kernels``, reranker/kernels.py)."""
+
+    modeling: types.ModuleType  # transformers' modelling module: its rotary functions (text, vision) are replaced
+    rms_norms: tuple[type, ...]  # RMSNorm classes: every instance runs liger's RMSNorm
+    gated_mlps: tuple[type, ...]  # gate/up/down MLP classes: each SiLU-gated instance runs liger's SwiGLU
 
 
 @runtime_checkable
@@ -85,6 +95,9 @@ class ModelFamily(Protocol):
 
     def apply_selective_checkpointing(self, model: Any, layers: int | float | None = None) -> int:
         """Activation checkpointing of the first ``layers`` decoder layers; returns how many."""
+
+    def fused_kernel_targets(self) -> FusedKernelTargets:
+        """The module classes liger-kernel's kernels replace (``model.kernels: liger``)."""
 
 
 def contract_names() -> list[str]:

@@ -18,7 +18,7 @@ from typing import Any
 from .checkpointing import apply_selective_checkpointing
 from .fast_vision import disable_fast_path, enable_fast_path, vision_inputs_on_host
 from .images import image_tokens
-from .model import decoder_layers, language_models, model_class
+from .model import decoder_layers, fused_kernel_targets, language_models, model_class
 from .processor import load_processor, save_processor
 from .recipe import TINY_RECIPE, architecture_config, build_tiny
 
@@ -33,7 +33,7 @@ REFUSED_FAST_PATHS: dict[str, str] = {}  # every fast path holds for Qwen2.5-VL
 __all__ = [
     "NAME", "REFUSED_FAST_PATHS", "TINY_RECIPE", "PROCESSING_DEFAULTS", "DEFAULT_INSTRUCTIONS", "build_messages", "model_class", "load_processor", "save_processor", "image_tokens",
     "decoder_layers", "language_models", "architecture_config", "build_tiny", "enable_fast_path",
-    "disable_fast_path", "vision_inputs_on_host", "apply_selective_checkpointing",
+    "disable_fast_path", "vision_inputs_on_host", "apply_selective_checkpointing", "fused_kernel_targets",
 ]
 
 

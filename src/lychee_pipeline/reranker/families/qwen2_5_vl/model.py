@@ -9,6 +9,8 @@ from typing import Any
 
 from torch import nn
 
+from ..base import FusedKernelTargets
+
 
 def hf_modeling() -> Any:
     """transformers' Qwen2.5-VL modelling module."""
@@ -39,3 +41,10 @@ def vision_classes() -> tuple[type, type]:
     """(the vision attention class, the vision tower class)."""
     hf = hf_modeling()
     return hf.Qwen2_5_VLVisionAttention, hf.Qwen2_5_VisionTransformerPretrainedModel
+
+
+def fused_kernel_targets() -> FusedKernelTargets:
+    """Every RMSNorm (language model, vision blocks, merger) and the gated MLPs of the language model and of the
+    vision blocks."""
+    hf = hf_modeling()
+    return FusedKernelTargets(hf, rms_norms=(hf.Qwen2_5_VLRMSNorm,), gated_mlps=(hf.Qwen2MLP, hf.Qwen2_5_VLMLP))

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..qwen2_5_vl.images import image_tokens
-from .model import decoder_layers, language_models, model_class
+from .model import decoder_layers, fused_kernel_targets, language_models, model_class
 from .processor import load_processor, save_processor
 from .prompt import DEFAULT_INSTRUCTIONS, build_messages
 from .recipe import MAX_PIXELS, MIN_PIXELS, TINY_RECIPE, architecture_config, build_tiny
@@ -29,15 +29,13 @@ from .vision import apply_selective_checkpointing, disable_fast_path, enable_fas
 NAME = "qwen3_vl"
 # Qwen3-VL-Reranker's processing: 4 to 1,800 visual tokens per image, 10,240 tokens per pair
 PROCESSING_DEFAULTS: dict[str, int] = {"max_length": 10240, "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS}
-REFUSED_FAST_PATHS: dict[str, str] = {
-    "kernels": "liger-kernel's fused switch is written for Qwen2.5-VL's modules",
-}
+REFUSED_FAST_PATHS: dict[str, str] = {}  # every fast path holds for Qwen3-VL
 
 __all__ = [
     "NAME", "REFUSED_FAST_PATHS", "TINY_RECIPE", "PROCESSING_DEFAULTS", "DEFAULT_INSTRUCTIONS", "build_messages",
     "model_class", "load_processor", "save_processor", "image_tokens", "decoder_layers", "language_models",
     "architecture_config", "build_tiny", "enable_fast_path", "disable_fast_path", "vision_inputs_on_host",
-    "apply_selective_checkpointing",
+    "apply_selective_checkpointing", "fused_kernel_targets",
 ]
 
 

@@ -9,6 +9,8 @@ from typing import Any
 
 from torch import nn
 
+from ..base import FusedKernelTargets
+
 
 def hf_modeling() -> Any:
     """transformers' Qwen3-VL modelling module."""
@@ -37,3 +39,10 @@ def language_models(model: nn.Module) -> list[nn.Module]:
 def vision_towers(model: nn.Module) -> list[nn.Module]:
     """The ``Qwen3VLVisionModel`` modules inside ``model`` (their DeepStack mergers included)."""
     return [m for m in model.modules() if isinstance(m, hf_modeling().Qwen3VLVisionModel)]
+
+
+def fused_kernel_targets() -> FusedKernelTargets:
+    """The language model's RMSNorms (the per-head q/k norms among them) and its gated MLPs. The vision tower's
+    norms are LayerNorms and its MLPs plain GELU ones: they keep their modules (its rotary takes liger's kernel)."""
+    hf = hf_modeling()
+    return FusedKernelTargets(hf, rms_norms=(hf.Qwen3VLTextRMSNorm,), gated_mlps=(hf.Qwen3VLTextMLP,))
