@@ -8,8 +8,8 @@ The tower of the 7B architecture (or ``--family`` / ``--size``) with random weig
 ``Reranker.from_pretrained`` sets it up (fast vision path), on the packed batches ``Reranker.batches`` prepares
 from 800x800 JPEG documents (one distinct image per pair, 32 pairs a batch). Prints, step by step from the stock
 transformers forward to the library's default (batched attention, the patch embedding as a matmul, liger's vision
-kernels where the family takes them; then a candidate not in the library: the vision MLP padded to a multiple of
-64), the tower's time over the batches, its rate against its matmul FLOPs (2 x tower params x patches) and the
+kernels and the vision MLP padded to a multiple of 64 where the family has them; then the rotary's and the
+padding's shares), the tower's time over the batches, its rate against its matmul FLOPs (2 x tower params x patches) and the
 measured bf16 matmul rate, and the largest difference of its features from the stock forward's; then the
 ``torch.profiler`` table of its CUDA kernels for one batch (the largest first), grouped by kind: matmuls,
 attention, and everything else (elementwise, norms, copies).
@@ -18,7 +18,6 @@ attention, and everything else (elementwise, norms, copies).
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import inference  # noqa: E402
 
+from lychee_pipeline.reranker.families.base import ORIG_FORWARD  # noqa: E402
 from lychee_pipeline.reranker.inference import Reranker, to_device  # noqa: E402
 from lychee_pipeline.reranker.packing import enable_packed_attention  # noqa: E402
 
@@ -46,40 +46,6 @@ def kind_of(name: str) -> str:
         if any(mark in lowered for mark in marks):
             return kind
     return "other"
-
-
-# A candidate, not in the library yet (not measured on a GPU): cuBLAS's Hopper GEMM kernels need rows aligned to
-# 16 bytes; Qwen2.5-VL's vision MLP is 3,420 wide (6,840 bytes a bf16 row), and its three matmuls ran Ampere-era
-# "align2" kernels: 61% of the 7B tower's kernel time on one H100 (results/2026-12-06_h100_vision_tower_7b_steps.txt).
-# Zero-padding the intermediate width to a multiple of 64 on weight copies (+0.85 GB on the 7B tower) adds exactly
-# nothing to the output: the padded columns are silu(0) x 0 = 0 and meet zero weights in down.
-MLP_ALIGN = 64
-
-
-def padded_mlp_weights(mlp) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``(gate and up stacked, their biases, down)`` of a gated MLP with the intermediate width zero-padded to a
-    multiple of :data:`MLP_ALIGN`."""
-    width = mlp.gate_proj.out_features
-    padded = -(-width // MLP_ALIGN) * MLP_ALIGN
-    weight = mlp.gate_proj.weight
-    gate_up = weight.new_zeros(2 * padded, weight.shape[1])
-    gate_up[:width], gate_up[padded:padded + width] = mlp.gate_proj.weight, mlp.up_proj.weight
-    bias = None
-    if mlp.gate_proj.bias is not None:
-        bias = weight.new_zeros(2 * padded)
-        bias[:width], bias[padded:padded + width] = mlp.gate_proj.bias, mlp.up_proj.bias
-    down = weight.new_zeros(mlp.down_proj.out_features, padded)
-    down[:, :width] = mlp.down_proj.weight
-    return gate_up, bias, down
-
-
-def padded_mlp_forward(mlp, weights, x: torch.Tensor) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))`` through :func:`padded_mlp_weights`, SiLU and product as the stock module."""
-    gate_up, bias, down = weights
-    padded = down.shape[1]
-    both = torch.nn.functional.linear(x, gate_up, bias)
-    hidden = torch.nn.functional.silu(both[..., :padded]) * both[..., padded:]
-    return torch.nn.functional.linear(hidden, down, mlp.down_proj.bias)
 
 
 @dataclass
@@ -154,22 +120,21 @@ def time_steps(tower: Tower) -> None:
         return
     targets = family.fused_kernel_targets()
     plan = kernels.liger_plan(tower.vl_model.visual, targets)  # what liger switched inside the tower
-    tower.measure(f"+ liger in the tower: {len(plan.rms_norms)} RMSNorm, {len(plan.swiglu_mlps)} SwiGLU, rotary "
-                  "(the default)", reference)
+    widths = sum(ORIG_FORWARD in mlp.__dict__ for mlp in plan.swiglu_mlps)
+    tower.measure(f"+ liger in the tower: {len(plan.rms_norms)} RMSNorm, {len(plan.swiglu_mlps)} SwiGLU ({widths} "
+                  "padded), rotary (the default)", reference)
     hf = targets.modeling
     ours, hf.apply_rotary_pos_emb_vision = hf.apply_rotary_pos_emb_vision, kernels.stock_vision_rotary(hf)
     tower.measure("  the same with the stock vision rotary (its share)", reference)
     hf.apply_rotary_pos_emb_vision = ours
-    mlps = plan.swiglu_mlps
-    if mlps and mlps[0].gate_proj.out_features % MLP_ALIGN:
-        from liger_kernel.transformers import LigerSwiGLUMLP
-
-        with torch.no_grad():
-            for mlp in mlps:
-                mlp.forward = functools.partial(padded_mlp_forward, mlp, padded_mlp_weights(mlp))
-        tower.measure(f"  candidate: the MLP padded to a multiple of {MLP_ALIGN} (not in the library)", reference)
-        for mlp in mlps:
-            mlp.forward = LigerSwiGLUMLP.forward.__get__(mlp, type(mlp))
+    padded = [(mlp, mlp.forward) for mlp in plan.swiglu_mlps if ORIG_FORWARD in mlp.__dict__]
+    if padded:  # the MLP padded to a multiple of kernels.MLP_ALIGN (in the default above): its share
+        for mlp, _ in padded:
+            mlp.forward = mlp.__dict__[ORIG_FORWARD]
+        tower.measure(f"  the same without the MLP padded to a multiple of {kernels.MLP_ALIGN} (its share)",
+                      reference)
+        for mlp, forward in padded:
+            mlp.forward = forward
 
 
 def print_profile(tower: Tower, rows: int) -> None:

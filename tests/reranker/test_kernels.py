@@ -84,3 +84,24 @@ def test_liger_plan_covers_qwen2_5_vl_language_model_and_tower(make_model):
     blocks = model.base_model.model.visual.blocks
     assert len(plan.rms_norms) == 2 * len(layers) + 1 + 2 * len(blocks) + 1  # + the final norm, the merger's ln_q
     assert {id(m) for m in plan.swiglu_mlps} == {id(m.mlp) for m in [*layers, *blocks]} and plan.plain_mlps == []
+
+
+def test_the_padded_mlp_equals_the_stock_mlp_and_only_misaligned_widths_take_it():
+    """kernels.pad_gated_mlps: an MLP whose intermediate width is not a multiple of 64 (Qwen2.5-VL's vision MLP:
+    3,420) scores through zero-padded copies that compute the stock output (fp32, CPU: the padding adds exactly
+    nothing); a 64-wide one is left alone; on a CPU tensor the MLP runs its own forward and keeps no copies."""
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLMLP
+
+    torch.manual_seed(0)
+    mlps = [Qwen2_5_VLMLP(Qwen2_5_VLConfig(vision_config={"hidden_size": 32, "intermediate_size": width}).vision_config,
+                          bias=True).eval().requires_grad_(False) for width in (90, 64)]
+    x = torch.randn(7, 32)
+    stock = [mlp(x) for mlp in mlps]
+    assert kernels.pad_gated_mlps(mlps) == 1 and kernels.pad_gated_mlps(mlps) == 0  # idempotent
+    assert "forward" in mlps[0].__dict__ and "forward" not in mlps[1].__dict__
+    with torch.no_grad():
+        weights = kernels.padded_mlp_weights(mlps[0])
+        assert weights[0].shape == (2 * 128, 32) and weights[2].shape == (32, 128)
+        torch.testing.assert_close(kernels.padded_mlp_forward(mlps[0], weights, x), stock[0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(mlps[0](x), stock[0]) and kernels._PADDED not in mlps[0].__dict__  # CPU: its own forward

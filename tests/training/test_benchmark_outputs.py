@@ -65,27 +65,6 @@ def test_train_step_prints_mfu_against_both_peaks_and_profiles(benchmarks, tmp_p
         assert "(EMULATED on the CPU)" in out and "c0+pack+fp8" in out.split("summary (")[1]
 
 
-def test_vision_tower_candidate_padded_mlp_equals_the_stock_mlp():
-    """vision_tower.py's candidate (the vision MLP's intermediate width zero-padded to a multiple of 64) computes the
-    stock module's output (fp32, CPU): the padding adds exactly nothing."""
-    from transformers import Qwen2_5_VLConfig
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLMLP
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import vision_tower
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    vision = Qwen2_5_VLConfig(vision_config={"hidden_size": 32, "intermediate_size": 90}).vision_config
-    torch.manual_seed(0)
-    mlp = Qwen2_5_VLMLP(vision, bias=True).eval()  # 90 wide, as Qwen2.5-VL's 3,420 is not a multiple of 64
-    x = torch.randn(7, 32)
-    with torch.no_grad():
-        weights = vision_tower.padded_mlp_weights(mlp)
-        assert weights[0].shape == (2 * 128, 32) and weights[2].shape == (32, 128)
-        torch.testing.assert_close(vision_tower.padded_mlp_forward(mlp, weights, x), mlp(x), rtol=1e-5, atol=1e-6)
-
-
 def test_vision_tower_prints_each_step_with_its_parity(capsys):
     """vision_tower.py --tiny (the CPU run of the GPU tool): a line per fast-path step, each with the features'
     largest difference from the stock forward's, then the profile by kind."""
