@@ -229,3 +229,29 @@ def test_group_collator_fill_policy_and_counts(processor, images):
     # the group of a record does not depend on the rows it is batched with
     alone = GroupCollator(processor, group_size=4, seed=3, negative_fill="fill_random", fill_pool=pool)([short])
     assert torch.equal(alone["input_ids"][:, -40:], batch["input_ids"][:4, -40:])
+
+
+def test_an_image_shared_by_a_batch_is_read_and_processed_once_with_the_same_inputs(family_model, images):
+    """A query image in each of its candidates' prompts: ``decode_batch`` reads it once and shares it, and the
+    processor patches it once (``EachImageOnce``); the batch is the same, tensor for tensor, as when every copy is
+    read and processed on its own — for both families' processors."""
+    from lychee_pipeline.reranker.collate import EachImageOnce
+
+    model = family_model(finetune="frozen")
+    collator = PairCollator(model.processor, max_pixels=12544, family=model.family.NAME)
+    query = {"text": "a red thing", "image": images["red"]}
+    pairs = [(query, {"text": "doc", "image": images[c]}) for c in ("blue", "wide", "red", "green")]
+    prepared = [collator.prepare(p, decode=False) for p in pairs]
+    shared = collator.decode_batch(prepared)
+    assert all(s[1][0] is shared[0][1][0] for s in shared) and shared[2][1][1] is shared[0][1][0]
+    separate = [collator.decode(p) for p in prepared]
+    assert len({id(im) for p in separate for im in p[1]}) == 8
+    once, each = collator.encode(shared), collator.encode(separate)
+    assert once.keys() == each.keys()
+    for key in each:
+        assert torch.equal(once[key], each[key]), key
+    # what the image processor was given: the 4 distinct images, in order of first appearance
+    flat = [im for p in shared for im in p[1]]
+    plan = EachImageOnce(model.processor, flat)
+    assert plan.order == [0, 1, 0, 2, 0, 0, 0, 3] and len(plan.distinct) == 4
+    assert model.processor.image_processor is plan.inner  # only swapped inside a call

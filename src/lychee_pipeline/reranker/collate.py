@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import os
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -89,6 +90,42 @@ def load_image(image: Any, max_pixels: int | None = None):
             return ImageOps.exif_transpose(opened).convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as exc:  # PIL raises all of these
         raise BrokenImageError(path, f"{type(exc).__name__}: {exc}") from exc
+
+
+class EachImageOnce:
+    """For one processor call, in place of the processor's image processor: each distinct image object of the
+    call's ``images`` (in order) is resized and patched once, and its rows repeated where the call repeats it. A
+    query image is in each of its candidates' prompts: with 8 candidates a query, one H100 scored 800x800 JPEGs at
+    0.74 of its GPU-only rate, the host threads encoding every copy (docs/benchmarks.md, 2026-12-06, fourth lease).
+    The outputs are the image processor's own for the distinct images (``pixel_values`` rows per image, in order,
+    and ``image_grid_thw``), so the processor's text expansion reads the same grids as without it."""
+
+    def __init__(self, processor: Any, images: Sequence[Any]):
+        self.processor = processor
+        self.inner = processor.image_processor
+        first: dict[int, int] = {}
+        self.order = [first.setdefault(id(im), len(first)) for im in images]
+        self.distinct = list({id(im): im for im in images}.values())  # first appearances, in order
+
+    def __enter__(self) -> EachImageOnce:
+        self.processor.image_processor = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.processor.image_processor = self.inner
+
+    def __getattr__(self, name: str) -> Any:  # merge_size, patch_size, ... as the processor reads them
+        return getattr(self.inner, name)
+
+    def __call__(self, images: Any, **kwargs: Any) -> Any:
+        out = self.inner(self.distinct, **kwargs)
+        grid = out["image_grid_thw"]
+        ends = grid.prod(dim=-1).cumsum(0).tolist()
+        starts = [0, *ends[:-1]]
+        rows = torch.cat([torch.arange(starts[i], ends[i]) for i in self.order])
+        out["pixel_values"] = out["pixel_values"][rows]
+        out["image_grid_thw"] = grid[self.order]
+        return out
 
 
 class ImageSize:
@@ -217,11 +254,29 @@ class PairCollator:
         For sorting pairs by length before their images are decoded; not counted in :attr:`stats`."""
         return self.prepare(pair, decode=False)[2]
 
-    def decode(self, prepared: tuple[str, list[Any], int]) -> tuple[str, list[Any], int]:
-        """A pair prepared with ``decode=False``, its images now decoded (the text and count are kept)."""
+    def decode(self, prepared: tuple[str, list[Any], int],
+               loaded: dict[Any, Any] | None = None) -> tuple[str, list[Any], int]:
+        """A pair prepared with ``decode=False``, its images now decoded (the text and count are kept).
+        ``loaded``: images already read for this batch, by source; an image several pairs share (a query's image
+        in each of its candidates' prompts) is then read once and shared, and :meth:`encode` processes it once."""
         text, images, count = prepared
-        return text, [load_image(im.source, self.max_pixels) if isinstance(im, ImageSize) else im
-                      for im in images], count
+        decoded = []
+        for im in images:
+            if isinstance(im, ImageSize):
+                key = im.source if isinstance(im.source, (str, os.PathLike)) else id(im.source)
+                if loaded is None:
+                    im = load_image(im.source, self.max_pixels)
+                elif key in loaded:
+                    im = loaded[key]
+                else:
+                    im = loaded[key] = load_image(im.source, self.max_pixels)
+            decoded.append(im)
+        return text, decoded, count
+
+    def decode_batch(self, prepared: Sequence[tuple[str, list[Any], int]]) -> list[tuple[str, list[Any], int]]:
+        """:meth:`decode` for the pairs of one batch, each image source read once."""
+        loaded: dict[Any, Any] = {}
+        return [self.decode(p, loaded) for p in prepared]
 
     def prepare(self, pair: Sequence[Any], decode: bool = True, count: bool | None = None) -> tuple[str, list[Any], int]:
         """(prompt text with one placeholder per image, PIL images in order, final token count).
@@ -287,7 +342,11 @@ class PairCollator:
         if images:
             kwargs["images"] = images
             kwargs["size"] = {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}
-        out = self.processor(**kwargs)
+        if len({id(im) for im in images}) < len(images):
+            with EachImageOnce(self.processor, images):
+                out = self.processor(**kwargs)
+        else:
+            out = self.processor(**kwargs)
         batch = dict(out.items())
         lengths = batch["attention_mask"].sum(dim=1).tolist()
         expected = [p[2] for p in prepared]

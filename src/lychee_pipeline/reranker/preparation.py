@@ -188,7 +188,7 @@ class HostPreparation:
     def encode(self, collator: PairCollator, prepared: list[Prepared]) -> dict[str, Any]:
         """The host batch of measured pairs: images decoded, the processor run, the model's host inputs made."""
         # the packed sequence and the grid-derived inputs are worked out here too, off the launching thread
-        batch = self.model.host_inputs(collator.encode([collator.decode(p) for p in prepared]), self.prefix_reuse,
+        batch = self.model.host_inputs(collator.encode(collator.decode_batch(prepared)), self.prefix_reuse,
                                          self.keyed_images)
         if self.model.device.type == "cuda":  # page-locked, so the copy to the GPU is asynchronous
             batch = {k: v.pin_memory() if isinstance(v, (torch.Tensor, PackedBatch)) else v for k, v in batch.items()}
