@@ -31,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import inference  # noqa: E402
 
-from lychee_pipeline.reranker.families.base import ORIG_FORWARD  # noqa: E402
 from lychee_pipeline.reranker.inference import Reranker, to_device  # noqa: E402
 from lychee_pipeline.reranker.packing import enable_packed_attention  # noqa: E402
 
@@ -120,17 +119,17 @@ def time_steps(tower: Tower) -> None:
         return
     targets = family.fused_kernel_targets()
     plan = kernels.liger_plan(tower.vl_model.visual, targets)  # what liger switched inside the tower
-    widths = sum(ORIG_FORWARD in mlp.__dict__ for mlp in plan.swiglu_mlps)
+    widths = sum(kernels.UNPADDED_FORWARD in mlp.__dict__ for mlp in plan.swiglu_mlps)
     tower.measure(f"+ liger in the tower: {len(plan.rms_norms)} RMSNorm, {len(plan.swiglu_mlps)} SwiGLU ({widths} "
                   "padded), rotary (the default)", reference)
     hf = targets.modeling
     ours, hf.apply_rotary_pos_emb_vision = hf.apply_rotary_pos_emb_vision, kernels.stock_vision_rotary(hf)
     tower.measure("  the same with the stock vision rotary (its share)", reference)
     hf.apply_rotary_pos_emb_vision = ours
-    padded = [(mlp, mlp.forward) for mlp in plan.swiglu_mlps if ORIG_FORWARD in mlp.__dict__]
+    padded = [(mlp, mlp.forward) for mlp in plan.swiglu_mlps if kernels.UNPADDED_FORWARD in mlp.__dict__]
     if padded:  # the MLP padded to a multiple of kernels.MLP_ALIGN (in the default above): its share
         for mlp, _ in padded:
-            mlp.forward = mlp.__dict__[ORIG_FORWARD]
+            mlp.forward = mlp.__dict__[kernels.UNPADDED_FORWARD]
         tower.measure(f"  the same without the MLP padded to a multiple of {kernels.MLP_ALIGN} (its share)",
                       reference)
         for mlp, forward in padded:

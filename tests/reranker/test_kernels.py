@@ -105,3 +105,46 @@ def test_the_padded_mlp_equals_the_stock_mlp_and_only_misaligned_widths_take_it(
         assert weights[0].shape == (2 * 128, 32) and weights[2].shape == (32, 128)
         torch.testing.assert_close(kernels.padded_mlp_forward(mlps[0], weights, x), stock[0], rtol=1e-5, atol=1e-6)
     assert torch.equal(mlps[0](x), stock[0]) and kernels._PADDED not in mlps[0].__dict__  # CPU: its own forward
+
+
+def test_the_padded_path_holds_only_for_a_frozen_plain_mlp_in_eval_and_its_copies_follow_the_weights():
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLMLP
+
+    config = Qwen2_5_VLConfig(vision_config={"hidden_size": 32, "intermediate_size": 90}).vision_config
+    mlp = Qwen2_5_VLMLP(config, bias=True).eval().requires_grad_(False)
+    assert kernels.padded_path_holds(mlp)
+    assert not kernels.padded_path_holds(mlp.train()) and kernels.padded_path_holds(mlp.eval())
+    mlp.up_proj.weight.requires_grad_(True)
+    assert not kernels.padded_path_holds(mlp)  # a trainable weight: its own forward
+    mlp.requires_grad_(False)
+
+    class Adapted(torch.nn.Linear):  # stands for a LoRA-wrapped projection: the copies would skip its adapter
+        pass
+
+    plain = mlp.down_proj
+    mlp.down_proj = Adapted(90, 32)
+    assert not kernels.padded_path_holds(mlp)
+    mlp.down_proj = plain
+    first = kernels.padded_weights(mlp)
+    assert kernels.padded_weights(mlp) is first  # kept
+    with torch.no_grad():
+        mlp.gate_proj.weight.mul_(2)  # changed in place: its version moves
+    second = kernels.padded_weights(mlp)
+    assert second is not first and torch.equal(second[0][:90], mlp.gate_proj.weight)
+
+
+def test_disabling_the_fast_path_leaves_the_padding_and_its_saved_forward(make_model):
+    """The fast path's restore_forward and the padding keep their replaced forwards under different keys."""
+    from lychee_pipeline.reranker.families.base import ORIG_FORWARD
+
+    model = make_model(finetune="frozen")
+    mlp = model.base_model.model.visual.blocks[0].mlp
+    own = mlp.forward
+    assert kernels.pad_gated_mlps([mlp]) == 0  # the tiny tower's MLP is 64 wide: aligned, left alone
+    mlp.gate_proj, mlp.up_proj = (torch.nn.Linear(32, 90, bias=True) for _ in range(2))
+    mlp.down_proj = torch.nn.Linear(90, 32, bias=True)
+    assert kernels.pad_gated_mlps([mlp]) == 1
+    qwen2_5_vl.disable_fast_path(model)
+    assert kernels.UNPADDED_FORWARD in mlp.__dict__ and ORIG_FORWARD not in mlp.__dict__
+    assert mlp.__dict__[kernels.UNPADDED_FORWARD] == own

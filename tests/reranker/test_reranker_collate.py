@@ -246,7 +246,9 @@ def test_an_image_shared_by_a_batch_is_read_and_processed_once_with_the_same_inp
     assert all(s[1][0] is shared[0][1][0] for s in shared) and shared[2][1][1] is shared[0][1][0]
     separate = [collator.decode(p) for p in prepared]
     assert len({id(im) for p in separate for im in p[1]}) == 8
+    image_processor = model.processor.image_processor
     once, each = collator.encode(shared), collator.encode(separate)
+    assert model.processor.image_processor is image_processor  # only swapped inside the call
     assert once.keys() == each.keys()
     for key in each:
         assert torch.equal(once[key], each[key]), key
@@ -254,4 +256,8 @@ def test_an_image_shared_by_a_batch_is_read_and_processed_once_with_the_same_inp
     flat = [im for p in shared for im in p[1]]
     plan = EachImageOnce(model.processor, flat)
     assert plan.order == [0, 1, 0, 2, 0, 0, 0, 3] and len(plan.distinct) == 4
-    assert model.processor.image_processor is plan.inner  # only swapped inside a call
+    import copy
+
+    with plan:  # the processor can be copied while it holds the stand-in (a preparing thread's own processor)
+        assert copy.deepcopy(model.processor).image_processor.merge_size == image_processor.merge_size
+    assert model.processor.image_processor is image_processor

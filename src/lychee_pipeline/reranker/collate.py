@@ -115,10 +115,17 @@ class EachImageOnce:
         self.processor.image_processor = self.inner
 
     def __getattr__(self, name: str) -> Any:  # merge_size, patch_size, ... as the processor reads them
-        return getattr(self.inner, name)
+        inner = self.__dict__.get("inner")
+        if inner is None or name.startswith("__"):  # a copy being built, or a protocol lookup
+            raise AttributeError(name)
+        return getattr(inner, name)
 
     def __call__(self, images: Any, **kwargs: Any) -> Any:
+        if len(images) != len(self.order):  # not the call it was made for: the image processor's own work
+            return self.inner(images, **kwargs)
         out = self.inner(self.distinct, **kwargs)
+        if set(out.keys()) != {"pixel_values", "image_grid_thw"}:  # an output this class cannot repeat per image
+            return self.inner(images, **kwargs)
         grid = out["image_grid_thw"]
         ends = grid.prod(dim=-1).cumsum(0).tolist()
         starts = [0, *ends[:-1]]

@@ -16,6 +16,7 @@ switch at load time and measured by ``benchmarks/train_step.py``:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .families.base import ORIG_FORWARD, FusedKernelTargets, bind_forward
+from .families.base import FusedKernelTargets, bind_forward
 
 log = logging.getLogger(__name__)
 
@@ -129,24 +130,29 @@ def vision_rotary_one_pass(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return q_out.transpose(1, 2).squeeze(0), k_out.transpose(1, 2).squeeze(0)
 
 
-def vision_rotary_for(modeling: Any) -> Any:
-    """The vision rotary :func:`apply_liger` puts into ``modeling``: :func:`vision_rotary_one_pass` on CUDA
-    tensors, the module's stock function on others (the replacement is process-wide, as liger's own switches are:
-    a CPU model in the same process keeps transformers' arithmetic, bit for bit)."""
-    stock = stock_vision_rotary(modeling)
+def on_cuda_only(kernel: Any, stock: Any) -> Any:
+    """A rotary function that runs ``kernel`` (Triton: CUDA only) on CUDA tensors and ``stock`` on others: the
+    replacement is process-wide, as liger's own switches are, and a CPU model in the same process keeps
+    transformers' arithmetic, bit for bit."""
 
-    def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return vision_rotary_one_pass(q, k, cos, sin) if q.is_cuda else stock(q, k, cos, sin)
+    @functools.wraps(kernel)
+    def rotary(q: torch.Tensor, k: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return (kernel if q.is_cuda else stock)(q, k, *args, **kwargs)
 
-    rotary.__name__ = rotary.__qualname__ = "vision_rotary_one_pass"
     return rotary
 
 
+def vision_rotary_for(modeling: Any) -> Any:
+    """The vision rotary :func:`apply_liger` puts into ``modeling``: :func:`vision_rotary_one_pass` on CUDA
+    tensors, the module's stock function on others."""
+    return on_cuda_only(vision_rotary_one_pass, stock_vision_rotary(modeling))
+
+
 def _replace_rotary(modeling: Any, name: str, fn: Any) -> None:
+    """``modeling.<name> = fn``, transformers' own function kept for :func:`remove_liger`; once per process."""
     if _STOCK + name not in modeling.__dict__:
         setattr(modeling, _STOCK + name, getattr(modeling, name))
-    setattr(modeling, name, fn)
+        setattr(modeling, name, fn)
 
 
 # cuBLAS's Hopper GEMM kernels need matrix rows aligned to 16 bytes. Qwen2.5-VL's vision MLP is 3,420 wide (6,840
@@ -185,21 +191,38 @@ def padded_mlp_forward(mlp: nn.Module, weights: tuple, x: torch.Tensor) -> torch
     return torch.nn.functional.linear(hidden, down, mlp.down_proj.bias)
 
 
-def _padded_or_own_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The forward :func:`pad_gated_mlps` binds: the padded copies where the MLP scores (eval mode, frozen weights,
-    a CUDA tensor), its own forward otherwise. In train mode the copies are let go, so a training step's peak
-    memory stays what the memory model plans; a weight that changed (a new load, an unfrozen tower that trained)
-    is copied again."""
-    own = self.__dict__[ORIG_FORWARD]
-    if self.training or not x.is_cuda or any(p.requires_grad for p in self.parameters()):
-        self.__dict__.pop(_PADDED, None)
-        return own(x)
-    key = tuple((p.data_ptr(), p._version) for p in self.parameters())
-    cached = self.__dict__.get(_PADDED)
+# where pad_gated_mlps keeps the forward it replaced (liger's SwiGLU): a key of its own, so that a fast path's
+# restore_forward (families.base.ORIG_FORWARD) leaves the padding and liger in place
+UNPADDED_FORWARD = "_lychee_unpadded_forward"
+
+
+def padded_path_holds(mlp: nn.Module) -> bool:
+    """Whether ``mlp`` may score through padded copies of its weights: eval mode, frozen, and gate, up and down
+    plain ``nn.Linear`` layers (a LoRA-wrapped projection would have its adapter skipped by the copies)."""
+    projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    return (not mlp.training and all(type(lin) is nn.Linear for lin in projections)
+            and not any(p.requires_grad for p in mlp.parameters()))
+
+
+def padded_weights(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``mlp``'s padded copies (:func:`padded_mlp_weights`), kept on the module and made again when a weight was
+    replaced or changed in place through autograd-visible ops (its storage or version counter moved)."""
+    key = tuple((p.data_ptr(), p._version) for p in mlp.parameters())
+    cached = mlp.__dict__.get(_PADDED)
     if cached is None or cached[0] != key:
         with torch.no_grad():
-            cached = self.__dict__[_PADDED] = (key, padded_mlp_weights(self))
-    return padded_mlp_forward(self, cached[1], x)
+            cached = mlp.__dict__[_PADDED] = (key, padded_mlp_weights(mlp))
+    return cached[1]
+
+
+def _padded_or_own_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The forward :func:`pad_gated_mlps` binds: the padded copies where the MLP scores on a CUDA tensor
+    (:func:`padded_path_holds`), its own forward otherwise. Elsewhere the copies are let go: in train mode a
+    training step's peak memory stays what the memory model plans."""
+    if x.is_cuda and padded_path_holds(self):
+        return padded_mlp_forward(self, padded_weights(self), x)
+    self.__dict__.pop(_PADDED, None)
+    return self.__dict__[UNPADDED_FORWARD](x)
 
 
 def pad_gated_mlps(mlps: list[nn.Module]) -> int:
@@ -208,7 +231,7 @@ def pad_gated_mlps(mlps: list[nn.Module]) -> int:
     7B's vision tower); returns how many. Qwen3-VL's language-model widths are multiples of 64 already."""
     count = 0
     for mlp in mlps:
-        if mlp.gate_proj.out_features % MLP_ALIGN and bind_forward(mlp, _padded_or_own_forward):
+        if mlp.gate_proj.out_features % MLP_ALIGN and bind_forward(mlp, _padded_or_own_forward, UNPADDED_FORWARD):
             count += 1
     return count
 
@@ -251,15 +274,15 @@ def apply_liger(model: nn.Module, targets: FusedKernelTargets | None = None) -> 
     if hasattr(hf, "apply_multimodal_rotary_pos_emb"):  # releases that apply mRoPE in the attention
         from liger_kernel.transformers.qwen2vl_mrope import liger_multimodal_rotary_pos_emb
 
-        _replace_rotary(hf, "apply_multimodal_rotary_pos_emb", liger_multimodal_rotary_pos_emb)
+        _replace_rotary(hf, "apply_multimodal_rotary_pos_emb",
+                        on_cuda_only(liger_multimodal_rotary_pos_emb, hf.apply_multimodal_rotary_pos_emb))
         rope = "multimodal"
     else:  # mRoPE folded into cos/sin: the attention calls the rotate-half function
         from liger_kernel.transformers.rope import liger_rotary_pos_emb
 
-        _replace_rotary(hf, "apply_rotary_pos_emb", liger_rotary_pos_emb)
+        _replace_rotary(hf, "apply_rotary_pos_emb", on_cuda_only(liger_rotary_pos_emb, hf.apply_rotary_pos_emb))
         rope = "rotate-half"
-    if _STOCK + "apply_rotary_pos_emb_vision" not in hf.__dict__:
-        _replace_rotary(hf, "apply_rotary_pos_emb_vision", vision_rotary_for(hf))
+    _replace_rotary(hf, "apply_rotary_pos_emb_vision", vision_rotary_for(hf))
     done = {"rms_norm_modules": len(plan.rms_norms), "swiglu_modules": len(plan.swiglu_mlps),
             "rope": f"{rope} and vision", "padded_mlps": padded}
     if plan.plain_mlps:
@@ -276,7 +299,7 @@ def remove_liger(model: nn.Module, targets: FusedKernelTargets | None = None) ->
         targets = family_of_model(model).fused_kernel_targets()
     switched = [m for m in model.modules() if "forward" in m.__dict__ and m._get_name().startswith("Liger")]
     for module in switched:
-        for key in ("forward", "_get_name", ORIG_FORWARD, _PADDED, *module.__dict__.pop(_ADDED_ATTRS, [])):
+        for key in ("forward", "_get_name", UNPADDED_FORWARD, _PADDED, *module.__dict__.pop(_ADDED_ATTRS, [])):
             module.__dict__.pop(key, None)
     hf = targets.modeling
     for key in [k for k in hf.__dict__ if k.startswith(_STOCK)]:
