@@ -152,6 +152,9 @@ def test_prefix_reuse_auto_is_on_only_where_attention_is_one_varlen_call(monkeyp
     assert resolve("auto", None, gpu, torch.float32) is False  # fp32: one masked SDPA call per segment
     assert resolve("auto", padded, gpu, bf16) is False  # padded pairs
     assert resolve("auto", "no shared prefix in this family", gpu, bf16) is False
+    with pytest.raises(ValueError, match=r"^prefix_reuse needs packed pairs \(model.pack_pairs: true\); set "
+                                         r"prefix_reuse: false$"):
+        resolve(True, padded, gpu, bf16)  # asked for where it cannot run: the model's refusal, in one line
     with pytest.raises(ValueError, match=r"^prefix_reuse must be auto, true or false, got 'yes'$"):
         resolve("yes", None, gpu, bf16)
 

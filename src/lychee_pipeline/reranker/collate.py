@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import math
 import os
@@ -349,10 +350,8 @@ class PairCollator:
         if images:
             kwargs["images"] = images
             kwargs["size"] = {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}
-        if len({id(im) for im in images}) < len(images):
-            with EachImageOnce(self.processor, images):
-                out = self.processor(**kwargs)
-        else:
+        shared = len({id(im) for im in images}) < len(images)
+        with EachImageOnce(self.processor, images) if shared else contextlib.nullcontext():
             out = self.processor(**kwargs)
         batch = dict(out.items())
         lengths = batch["attention_mask"].sum(dim=1).tolist()

@@ -167,11 +167,8 @@ class Reranker:
         # through the language model once per batch, each candidate attending to it (reranker/prefix.py); the
         # scores are the plain packed path's. Refused in one line for a model that does not pack pairs. auto: on where
         # the packed attention is one variable-length call per layer (a CUDA GPU; reranker/prefix.py says why).
-        reuse = resolve_prefix_reuse(prefix_reuse, model.prefix_reuse_refusal(), model.device,
-                                     next(model.backbone.parameters()).dtype)
-        if reuse:
-            model.require_prefix_reuse()
-        self.preparation.prefix_reuse = reuse
+        self.preparation.prefix_reuse = resolve_prefix_reuse(prefix_reuse, model.prefix_reuse_refusal(), model.device,
+                                                             next(model.backbone.parameters()).dtype)
         # vision_cache_gib: the vision tower's features of the images already scored, kept on the device and reused
         # when an image comes again (the same document under many queries; reranker/vision_cache.py); the scores
         # are the uncached path's. auto: the smaller of 4 GiB and 5% of a GPU's memory (2 GiB on a CPU); 0: off.

@@ -59,6 +59,10 @@ def resolve_kernels(choice: str, device: torch.device | str, refusal: str | None
     return "liger"
 
 
+_ADDED_ATTRS = "_lychee_liger_attrs"  # the settings _to_liger_rms_norm gave a norm (removed again by remove_liger)
+_STOCK = "_lychee_stock_"  # prefix under which a modelling module keeps a rotary function apply_liger replaced
+
+
 def _bind(module: nn.Module, liger_cls: type) -> None:
     """Give ``module`` the forward of liger's module class ``liger_cls``, keeping its own parameters."""
     module.__dict__["forward"] = liger_cls.forward.__get__(module, type(module))
@@ -76,10 +80,6 @@ def _to_liger_rms_norm(norm: nn.Module, liger_cls: type) -> None:
                 norm.__dict__.setdefault(_ADDED_ATTRS, []).append(key)
             setattr(norm, key, value)
     _bind(norm, liger_cls)
-
-
-_ADDED_ATTRS = "_lychee_liger_attrs"  # the settings _to_liger_rms_norm gave a norm (removed again by remove_liger)
-_STOCK = "_lychee_stock_"  # prefix under which a modelling module keeps a rotary function apply_liger replaced
 
 
 def _silu_gated(mlp: nn.Module) -> bool:

@@ -35,12 +35,14 @@ MIN_SHARED_TOKENS = 8  # below this a shared prefix is not worth a segment of it
 
 
 def resolve_prefix_reuse(choice: bool | str, refusal: str | None, device: torch.device, dtype: torch.dtype) -> bool:
-    """A scorer's ``prefix_reuse``: ``True`` / ``False`` as given (``True`` where it cannot run is refused by the
-    model, in one line), ``"auto"`` on where the packed batch's attention is one variable-length flash call per
+    """A scorer's ``prefix_reuse``: ``True`` / ``False`` as given (``True`` where it cannot run is ``refusal`` as a
+    one-line error), ``"auto"`` on where the packed batch's attention is one variable-length flash call per
     layer (the model takes prefix reuse: ``refusal`` is its ``prefix_reuse_refusal()``; half precision on a CUDA GPU
     with the kernel): there sharing a prefix only removes work, and the scores are the plain path's. Off elsewhere:
     a CPU, or fp32, attends one masked SDPA call per segment."""
     if isinstance(choice, bool):
+        if choice and refusal is not None:
+            raise ValueError(refusal)
         return choice
     if choice != "auto":
         raise ValueError(f"prefix_reuse must be auto, true or false, got {choice!r}")

@@ -152,3 +152,16 @@ def restore_forward(module: Any, key: str = ORIG_FORWARD) -> bool:
     del module.__dict__["forward"]
     del module.__dict__[key]
     return True
+
+
+def frozen_no_grad_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """A frozen vision tower's forward (bound by both families' fast paths): the stock forward under
+    ``torch.no_grad`` while none of the tower's parameters trains, checked at every call, so that a tower unfrozen
+    later trains as usual; its activations are not kept for gradients nobody uses."""
+    import torch
+
+    original = getattr(self, ORIG_FORWARD)
+    if torch.is_grad_enabled() and not any(p.requires_grad for p in self.parameters()):
+        with torch.no_grad():
+            return original(*args, **kwargs)
+    return original(*args, **kwargs)

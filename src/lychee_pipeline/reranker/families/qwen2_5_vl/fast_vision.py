@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base import ORIG_FORWARD, bind_forward, restore_forward
+from ..base import bind_forward, frozen_no_grad_forward, restore_forward
 from ..patch_embed import disable_matmul_patch_embed, enable_matmul_patch_embed
 from ..segments import batched_vision_attention_forward, segment_plan
 from .model import hf_modeling, vision_classes
@@ -63,14 +63,6 @@ def vision_inputs_on_host(vision_config: Any, image_grid_thw: torch.Tensor) -> t
                "max_seqlen": int((cu_seqlens[1:] - cu_seqlens[:-1]).max()),
                "max_window_seqlen": int((cu_window_seqlens[1:] - cu_window_seqlens[:-1]).max())}
     return to_device, on_host
-
-
-def _frozen_no_grad_forward(self: nn.Module, *args: Any, **kwargs: Any):
-    original = getattr(self, ORIG_FORWARD)
-    if torch.is_grad_enabled() and not any(p.requires_grad for p in self.parameters()):
-        with torch.no_grad():
-            return original(*args, **kwargs)
-    return original(*args, **kwargs)
 
 
 @dataclass
@@ -114,7 +106,7 @@ def enable_fast_path(model: nn.Module, batched_windows: bool = True, frozen_visi
             if bind_forward(module, batched_vision_attention_forward):
                 handle.attention_modules.append(module)
         elif frozen_vision_no_grad and isinstance(module, tower_cls):
-            if bind_forward(module, _frozen_no_grad_forward):
+            if bind_forward(module, frozen_no_grad_forward):
                 handle.vision_towers.append(module)
     if matmul_patch_embed:
         handle.patch_embeds = enable_matmul_patch_embed(model, (hf_modeling().Qwen2_5_VisionPatchEmbed,))

@@ -11,53 +11,29 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-import torch
 from torch import nn
 
-from ..base import bind_forward, restore_forward, transformers_model
+from ..base import bind_forward, frozen_no_grad_forward, restore_forward, transformers_model
 from ..qwen2_5_vl.checkpointing import checkpoint_first_layers
 from ..segments import batched_vision_attention_forward, segment_plan
 from .model import decoder_layers, hf_modeling, vision_towers
 
-_FAST_ATTR = "_lychee_frozen_without_autograd"
-
-
-def _frozen(tower: nn.Module) -> bool:
-    return not any(p.requires_grad for p in tower.parameters())
-
-
 def enable_fast_path(model: nn.Module) -> nn.Module:
     """Run each vision tower under ``torch.no_grad`` while none of its parameters trains (checked at every call, so
     a tower unfrozen later trains as usual) and its attention one call per image size; idempotent."""
-    for tower in vision_towers(transformers_model(model)):
-        if getattr(tower, _FAST_ATTR, False):
-            continue
-        stock = tower.forward
-
-        @functools.wraps(stock)
-        def forward(*args: Any, _stock=stock, _tower=tower, **kwargs: Any) -> Any:
-            if _frozen(_tower):
-                with torch.no_grad():
-                    return _stock(*args, **kwargs)
-            return _stock(*args, **kwargs)
-
-        tower.forward = forward
-        setattr(tower, _FAST_ATTR, True)
+    hf = hf_modeling()
     for module in transformers_model(model).modules():
-        if isinstance(module, hf_modeling().Qwen3VLVisionAttention):
+        if isinstance(module, hf.Qwen3VLVisionModel):
+            bind_forward(module, frozen_no_grad_forward)
+        elif isinstance(module, hf.Qwen3VLVisionAttention):
             bind_forward(module, batched_vision_attention_forward)
     return model
 
 
 def disable_fast_path(model: nn.Module) -> nn.Module:
     """Back to the stock tower forward (the benchmarks switch variants on one model)."""
-    for tower in vision_towers(transformers_model(model)):
-        if getattr(tower, _FAST_ATTR, False):
-            del tower.forward
-            setattr(tower, _FAST_ATTR, False)
     for module in transformers_model(model).modules():
         restore_forward(module)
     return model
