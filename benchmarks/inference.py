@@ -57,6 +57,7 @@ from lychee_pipeline.reranker.kernels import apply_kernels  # noqa: E402
 from lychee_pipeline.reranker.model import LycheeReranker, ModelConfig, single_token_id  # noqa: E402
 from lychee_pipeline.reranker import packing  # noqa: E402
 from lychee_pipeline.reranker.packing import enable_packed_attention  # noqa: E402
+from lychee_pipeline.reranker.prefix import resolve_prefix_reuse  # noqa: E402
 from lychee_pipeline.reranker.tiny import ensure_tiny  # noqa: E402
 from lychee_pipeline.reranker.vision_cache import VisionFeatureCache  # noqa: E402
 
@@ -364,7 +365,8 @@ def prefix_variant(reranker, pairs, args, pipeline: dict, device, params, peaks,
     """The core with prefix reuse the other way from its default (``auto``: on a CUDA GPU, off on a CPU), so the
     run shows it on and off: ``("core-noprefix" or "core-prefix", its rates, tokens and scores against the
     core's)``."""
-    core_reuses = Reranker(reranker, batch_size=args.batch_size, **pipeline).prefix_reuse  # what the default gives
+    core_reuses = resolve_prefix_reuse(pipeline.get("prefix_reuse", "auto"), reranker.prefix_reuse_refusal(),
+                                       reranker.device, next(reranker.backbone.parameters()).dtype)
     name = "core-noprefix" if core_reuses else "core-prefix"
     r = time_core(reranker, pairs, args.batch_size, {**pipeline, "prefix_reuse": not core_reuses}, device, params,
                   peaks, f"Reranker.score_pairs(prefix_reuse={not core_reuses}), batch {args.batch_size}"
