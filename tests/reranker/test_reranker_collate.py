@@ -261,3 +261,28 @@ def test_an_image_shared_by_a_batch_is_read_and_processed_once_with_the_same_inp
     with plan:  # the processor can be copied while it holds the stand-in (a preparing thread's own processor)
         assert copy.deepcopy(model.processor).image_processor.merge_size == image_processor.merge_size
     assert model.processor.image_processor is image_processor
+
+
+def test_a_training_group_reads_its_query_image_once_with_the_same_batch(processor, images, monkeypatch):
+    """``GroupCollator`` (through ``PairCollator.__call__``) reads a group's query image once for its documents'
+    prompts; the batch and the truncation counts are those of preparing and reading every pair on its own."""
+    from lychee_pipeline.reranker import collate
+
+    row = _row(images, record_id="a")
+    row["query"] = {"text": "red shoes", "image": images["wide"]}
+    collator = GroupCollator(processor, group_size=4, seed=3, max_pixels=12544)
+    reads = []
+    real_load = collate.load_image
+    monkeypatch.setattr(collate, "load_image", lambda image, *a: reads.append(image) or real_load(image, *a))
+    batch = collator([row])
+    monkeypatch.undo()
+    assert reads.count(images["wide"]) == 1 and len(reads) == len(set(reads))
+    pairs = collator.group_pairs(sample_group(row, 4, 0, 3))
+    alone = PairCollator(processor, max_pixels=12544)
+    each = alone.encode([alone.prepare(p) for p in pairs])
+    for key in each:
+        assert torch.equal(batch[key], each[key]), key
+    assert collator.stats.as_dict() == alone.stats.as_dict() and collator.stats.pairs == 4
+    prepared = [collator.pairs.prepare(p, decode=False) for p in pairs]
+    queries = [p[1][0] for p in collator.pairs.decode_batch(prepared)]
+    assert all(q is queries[0] for q in queries)  # one image object for the four prompts

@@ -363,7 +363,9 @@ class PairCollator:
     def __call__(self, pairs: Sequence[Sequence[Any]]) -> dict[str, Any]:
         if not pairs:
             raise ValueError("no pairs to collate")
-        return self.encode([self.prepare(p) for p in pairs])
+        # sized from headers first, then read: an image the batch's pairs share (a training group's query image in
+        # each of its documents' prompts) is read and patched once
+        return self.encode(self.decode_batch([self.prepare(p, decode=False, count=True) for p in pairs]))
 
 
 def _as_list(value: Any) -> list[Any]:
