@@ -268,29 +268,29 @@ class PairCollator:
         ``loaded``: images already read for this batch, by source; an image several pairs share (a query's image
         in each of its candidates' prompts) is then read once and shared, and :meth:`encode` processes it once."""
         text, images, count = prepared
-        decoded = []
-        for im in images:
-            if isinstance(im, ImageSize):
-                key = im.source if isinstance(im.source, (str, os.PathLike)) else id(im.source)
-                if loaded is None:
-                    im = load_image(im.source, self.max_pixels)
-                elif key in loaded:
-                    im = loaded[key]
-                else:
-                    im = loaded[key] = load_image(im.source, self.max_pixels)
-            decoded.append(im)
-        return text, decoded, count
+        return text, [self._read(im.source, loaded) if isinstance(im, ImageSize) else im for im in images], count
+
+    def _read(self, source: Any, loaded: dict[Any, Any] | None) -> Any:
+        """:func:`load_image` at this collator's budget; with ``loaded`` (a batch's images by source) once a source."""
+        if loaded is None:
+            return load_image(source, self.max_pixels)
+        key = source if isinstance(source, (str, os.PathLike)) else id(source)
+        if key not in loaded:
+            loaded[key] = load_image(source, self.max_pixels)
+        return loaded[key]
 
     def decode_batch(self, prepared: Sequence[tuple[str, list[Any], int]]) -> list[tuple[str, list[Any], int]]:
         """:meth:`decode` for the pairs of one batch, each image source read once."""
         loaded: dict[Any, Any] = {}
         return [self.decode(p, loaded) for p in prepared]
 
-    def prepare(self, pair: Sequence[Any], decode: bool = True, count: bool | None = None) -> tuple[str, list[Any], int]:
+    def prepare(self, pair: Sequence[Any], decode: bool = True, count: bool | None = None,
+                loaded: dict[Any, Any] | None = None) -> tuple[str, list[Any], int]:
         """(prompt text with one placeholder per image, PIL images in order, final token count).
 
         ``decode=False``: images are only sized from their headers (:class:`ImageSize`; :meth:`decode` loads
-        them later). ``count``: add the pair to :attr:`stats` (default: when decoding)."""
+        them later). ``count``: add the pair to :attr:`stats` (default: when decoding). ``loaded``: as
+        :meth:`decode`'s, an image the batch's pairs share read once."""
         count_stats = decode if count is None else count
         if len(pair) == 3:
             query, doc, instruction = pair
@@ -301,8 +301,8 @@ class PairCollator:
         if instruction is None:
             instruction = self.instruction_for(task_type_or_default(query, doc))
         build_messages = self.family_module.build_messages
-        read = load_image if decode else image_size
-        images = [read(item["image"], self.max_pixels) for item in (query, doc) if item["image"] is not None]
+        images = [self._read(item["image"], loaded) if decode else image_size(item["image"], self.max_pixels)
+                  for item in (query, doc) if item["image"] is not None]
         img_tokens = sum(self.image_tokens(im) for im in images)
         messages = build_messages(query, doc, instruction)
         text = render_prompt(self.processor, messages)
@@ -363,9 +363,10 @@ class PairCollator:
     def __call__(self, pairs: Sequence[Sequence[Any]]) -> dict[str, Any]:
         if not pairs:
             raise ValueError("no pairs to collate")
-        # sized from headers first, then read: an image the batch's pairs share (a training group's query image in
-        # each of its documents' prompts) is read and patched once
-        return self.encode(self.decode_batch([self.prepare(p, decode=False, count=True) for p in pairs]))
+        # an image the batch's pairs share (a training group's query image in each of its documents' prompts) is
+        # read once, with no header pass first, and patched once (encode)
+        loaded: dict[Any, Any] = {}
+        return self.encode([self.prepare(p, loaded=loaded) for p in pairs])
 
 
 def _as_list(value: Any) -> list[Any]:
