@@ -8,14 +8,19 @@ path runs on a CPU in seconds.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import signal
+import tempfile
+import threading
 from pathlib import Path
 
 import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -312,6 +317,31 @@ def environment(device: torch.device) -> dict[str, str]:
     else:
         info["gpu"] = "none (CPU)"
     return info
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def scratch_folder(prefix: str, given: str | Path | None = None) -> Iterator[Path]:
+    """A benchmark's working folder (model weights, JPEGs, stage folders): ``given`` is the caller's and stays;
+    otherwise a new temporary folder, removed when the block ends, by an error or a SIGTERM (``timeout``) too.
+    A 7B model folder with random weights is ~16 GiB: one left in /tmp per run fills a GPU box's disk."""
+    if given is not None:
+        path = Path(given)
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main_thread else None
+    try:
+        yield path
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def add_run_args(parser, seed: int) -> None:

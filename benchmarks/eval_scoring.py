@@ -26,7 +26,6 @@ import os
 import platform
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -82,8 +81,7 @@ def cpu_benchmark(args) -> dict:
     from lychee_pipeline.reranker.tiny import ensure_tiny
     from lychee_pipeline.runtime.settings import LaunchParams
 
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="eval_scoring_"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = args.work_dir
     os.environ["LYCHEE_TINY_DIR"] = str(ensure_tiny(work / "tiny"))
     pairs = make_pairs(work, args.queries, args.docs, args.seed)
     pairs_path = write_pairs(pairs, work / "pairs.parquet")
@@ -136,8 +134,7 @@ def cuda_benchmark(args) -> dict:
     # without CUDA (with --tiny-arch) the same code path runs on the CPU in fp32, to check it, not to time it
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    tiny_dir = args.work_dir or tempfile.mkdtemp(prefix="eval_scoring_tiny_")
-    model = inf.build(tiny=args.tiny_arch, device=device, dtype=dtype, tiny_dir=tiny_dir)
+    model = inf.build(tiny=args.tiny_arch, device=device, dtype=dtype, tiny_dir=str(args.work_dir))
     qwen2_5_vl.enable_fast_path(model)  # as load_reranker does with model.fast_path (the default)
     pairs = inf.make_pairs(model.processor, args.queries, args.docs, 600, 0.5, 448, args.seed)
     reranker = Reranker(model, batch_size=args.batch_size)
@@ -167,14 +164,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="CPU: torch threads per process")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--work-dir", default=None)
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="data, model folders and shards (kept; default: a temporary folder, removed at the end)")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     args.queries = args.queries or (32 if args.cuda else 64)
     args.batch_size = args.batch_size or (32 if args.cuda else 16)
     info = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "versions": versions()}
     print(json.dumps(info))
-    figures = {**info, **(cuda_benchmark(args) if args.cuda else cpu_benchmark(args))}
+    import common
+
+    with common.scratch_folder("eval_scoring_", args.work_dir) as args.work_dir:
+        figures = {**info, **(cuda_benchmark(args) if args.cuda else cpu_benchmark(args))}
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1, default=str))
     return 0

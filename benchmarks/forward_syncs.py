@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
-import tempfile
 import time
 import traceback
 import warnings
@@ -75,40 +74,40 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     common.select_architecture(args.family, args.size)
     device = torch.device("cuda")
-    folder = tempfile.mkdtemp(prefix="lychee_syncs_")
-    model = inference.build(False, device, torch.bfloat16, folder)
-    apply_kernels(model.base_model, "auto", device)
-    enable_packed_attention(model.base_model)
-    common.family().enable_fast_path(model)
-    paths = inference.jpeg_files(Path(folder) / "jpegs", "mixed", 16, 7)
-    pairs = inference.make_pairs(model.processor, 8, 8, 600, 0.5, 448, 7, paths)
-    batches = [to_device(batch, device) for _, batch in Reranker(model, batch_size=32).batches(pairs)]
-    with torch.inference_mode():
-        for batch in batches:  # warm-up
-            model(**batch)
-        torch.cuda.synchronize()
-        for batch in batches:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with common.scratch_folder("lychee_syncs_") as folder:
+        model = inference.build(False, device, torch.bfloat16, folder)
+        apply_kernels(model.base_model, "auto", device)
+        enable_packed_attention(model.base_model)
+        common.family().enable_fast_path(model)
+        paths = inference.jpeg_files(Path(folder) / "jpegs", "mixed", 16, 7)
+        pairs = inference.make_pairs(model.processor, 8, 8, 600, 0.5, 448, 7, paths)
+        batches = [to_device(batch, device) for _, batch in Reranker(model, batch_size=32).batches(pairs)]
+        with torch.inference_mode():
+            for batch in batches:  # warm-up
+                model(**batch)
             torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            start.record()
-            model(**batch)
-            t1 = time.perf_counter()
-            end.record()
-            torch.cuda.synchronize()
-            print(f"batch of {batch['packed'].pairs} pairs: host in the forward {1000 * (t1 - t0):.0f} ms, "
-                  f"device {start.elapsed_time(end):.0f} ms", flush=True)
+            for batch in batches:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                start.record()
+                model(**batch)
+                t1 = time.perf_counter()
+                end.record()
+                torch.cuda.synchronize()
+                print(f"batch of {batch['packed'].pairs} pairs: host in the forward {1000 * (t1 - t0):.0f} ms, "
+                      f"device {start.elapsed_time(end):.0f} ms", flush=True)
 
-        last = batches[-1]
-        report("", count_syncs(model, last))
-        # the vision cache's partial path: half of the batch's distinct images known, the rest run through the tower
-        cache = VisionFeatureCache(16 * 2**30)
-        model(**last, vision_cache=cache)
-        keys = list(dict.fromkeys(last["packed"].image_keys))
-        for key in keys[::2]:
-            cache.discard(key)
-        report(f", vision cache holding {len(cache)} of its {len(keys)} distinct images",
-               count_syncs(model, last, vision_cache=cache))
+            last = batches[-1]
+            report("", count_syncs(model, last))
+            # the vision cache's partial path: half of the batch's distinct images known, the rest run through the tower
+            cache = VisionFeatureCache(16 * 2**30)
+            model(**last, vision_cache=cache)
+            keys = list(dict.fromkeys(last["packed"].image_keys))
+            for key in keys[::2]:
+                cache.discard(key)
+            report(f", vision cache holding {len(cache)} of its {len(keys)} distinct images",
+                   count_syncs(model, last, vision_cache=cache))
 
     varlen = _varlen_attention()
     if varlen is None:

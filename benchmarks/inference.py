@@ -40,7 +40,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -421,7 +420,8 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--attribute", action="store_true", help="also time the core without the fast vision path")
     parser.add_argument("--overlap", default="", help="extra batch sizes for the core scorer, e.g. 64,128")
     parser.add_argument("--fast-check", type=int, default=64, help="pairs scored with and without the fast vision path")
-    parser.add_argument("--tiny-dir", default=None, help="where to build the tiny processor (default: a temp folder)")
+    parser.add_argument("--tiny-dir", default=None,
+                        help="where the tiny processor and the JPEGs go (kept; default: a temporary folder, removed)")
     parser.add_argument("--images", choices=("memory", "jpeg800", "mixed"), default="memory",
                         help="in-memory 448x448 images (default) or JPEG files: 800x800 or mixed sizes")
     parser.add_argument("--query-images", action="store_true", help="every query has an image too (multimodal "
@@ -632,7 +632,12 @@ def main(argv: list[str] | None = None) -> int:
     env = common.environment(device)
     log(f"env {json.dumps(env)}")
     peaks = peaks_of(device)
-    tiny_dir = args.tiny_dir or tempfile.mkdtemp(prefix="lychee_tiny_")
+    with common.scratch_folder("lychee_tiny_", args.tiny_dir) as tiny_dir:
+        return measure(args, device, dtype, env, peaks, str(tiny_dir))
+
+
+def measure(args, device: torch.device, dtype: torch.dtype, env: dict, peaks: dict, tiny_dir: str) -> int:
+    """The naive loop, the core's variants and the checks asked for, on the model built in ``tiny_dir``."""
     t0 = time.perf_counter()
     reranker = build(args.tiny, device, dtype, tiny_dir)
     params = common.count_params(reranker)[:2]

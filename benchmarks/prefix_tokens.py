@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -46,26 +45,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--query-images", action="store_true")
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="lychee_prefix_tokens_"))
-    model = load_reranker(ModelConfig(name_or_path="builtin:tiny", tiny_cache_dir=str(work / "tiny"),
-                                      finetune="frozen"), device="cpu")
-    paths = None if args.images == "memory" else jpeg_files(work / "jpegs", args.images, 48, args.seed)
-    pairs = make_pairs(model.processor, args.queries, args.docs, args.text_tokens, 0.5, 448, args.seed, paths,
-                       args.query_images)
-    figures = {}
-    for reuse in (False, True):
-        scorer = Reranker(model, batch_size=args.batch_size, first_batch=8, prefix_reuse=reuse)
-        figures[reuse] = count(scorer, pairs)
-    plain, shared = figures[False], figures[True]
-    common.log(f"{len(pairs)} pairs ({args.queries} queries x {args.docs} documents, {args.images} images"
-               f"{', queries with an image' if args.query_images else ''}), batches of {args.batch_size} "
-               f"(first batch 8, as on a GPU): {plain['batches']} batches")
-    common.log(f"plain:        {plain['tokens']} tokens ({plain['tokens'] / len(pairs):.0f} a pair), "
-               f"{plain['images']} images through the vision tower")
-    common.log(f"prefix reuse: {shared['tokens']} tokens ({shared['tokens'] / len(pairs):.0f} a pair), "
-               f"{shared['images']} images through the vision tower")
-    common.log(f"saved: {100 * (1 - shared['tokens'] / plain['tokens']):.1f}% of the language model's tokens, "
-               f"{100 * (1 - shared['images'] / max(plain['images'], 1)):.1f}% of the images")
+    with common.scratch_folder("lychee_prefix_tokens_") as work:
+        model = load_reranker(ModelConfig(name_or_path="builtin:tiny", tiny_cache_dir=str(work / "tiny"),
+                                          finetune="frozen"), device="cpu")
+        paths = None if args.images == "memory" else jpeg_files(work / "jpegs", args.images, 48, args.seed)
+        pairs = make_pairs(model.processor, args.queries, args.docs, args.text_tokens, 0.5, 448, args.seed, paths,
+                           args.query_images)
+        figures = {}
+        for reuse in (False, True):
+            scorer = Reranker(model, batch_size=args.batch_size, first_batch=8, prefix_reuse=reuse)
+            figures[reuse] = count(scorer, pairs)
+        plain, shared = figures[False], figures[True]
+        common.log(f"{len(pairs)} pairs ({args.queries} queries x {args.docs} documents, {args.images} images"
+                   f"{', queries with an image' if args.query_images else ''}), batches of {args.batch_size} "
+                   f"(first batch 8, as on a GPU): {plain['batches']} batches")
+        common.log(f"plain:        {plain['tokens']} tokens ({plain['tokens'] / len(pairs):.0f} a pair), "
+                   f"{plain['images']} images through the vision tower")
+        common.log(f"prefix reuse: {shared['tokens']} tokens ({shared['tokens'] / len(pairs):.0f} a pair), "
+                   f"{shared['images']} images through the vision tower")
+        common.log(f"saved: {100 * (1 - shared['tokens'] / plain['tokens']):.1f}% of the language model's tokens, "
+                   f"{100 * (1 - shared['images'] / max(plain['images'], 1)):.1f}% of the images")
     return 0
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,20 +173,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     common.select_architecture(args.family, args.size)
     device = torch.device("cpu" if args.tiny else "cuda")
-    folder = tempfile.mkdtemp(prefix="lychee_tower_")
-    model = inference.build(args.tiny, device, torch.float32 if args.tiny else torch.bfloat16, folder)
-    enable_packed_attention(model.base_model)
-    common.family().enable_fast_path(model)
-    paths = inference.jpeg_files(Path(folder) / "jpegs", "jpeg800", args.pairs, 7)
-    pairs = inference.make_pairs(model.processor, args.pairs // 8, 8, 600, 0.5, 448, 7, paths)
-    batches = [to_device(batch, device)["packed"] for _, batch in Reranker(model, batch_size=32).batches(pairs)]
-    tower = Tower(model, batches, device, common.matmul_tflops(device))
-    images = sum(len(p.image_keys or ()) or 1 for p in batches)
-    print(f"tower: {tower.params / 1e6:.1f}M params, {len(batches)} batches, {tower.patches} patches "
-          f"({tower.patches / images:.0f} per image); rates are matmul FLOPs (2 x tower params x patches) over the "
-          f"time, against the measured bf16 matmul rate {tower.matmul_tflops:.3g} TFLOP/s")
-    time_steps(tower)
-    print_profile(tower, args.rows)
+    with common.scratch_folder("lychee_tower_") as folder:
+        model = inference.build(args.tiny, device, torch.float32 if args.tiny else torch.bfloat16, folder)
+        enable_packed_attention(model.base_model)
+        common.family().enable_fast_path(model)
+        paths = inference.jpeg_files(Path(folder) / "jpegs", "jpeg800", args.pairs, 7)
+        pairs = inference.make_pairs(model.processor, args.pairs // 8, 8, 600, 0.5, 448, 7, paths)
+        batches = [to_device(batch, device)["packed"] for _, batch in Reranker(model, batch_size=32).batches(pairs)]
+        tower = Tower(model, batches, device, common.matmul_tflops(device))
+        images = sum(len(p.image_keys or ()) or 1 for p in batches)
+        print(f"tower: {tower.params / 1e6:.1f}M params, {len(batches)} batches, {tower.patches} patches "
+              f"({tower.patches / images:.0f} per image); rates are matmul FLOPs (2 x tower params x patches) over the "
+              f"time, against the measured bf16 matmul rate {tower.matmul_tflops:.3g} TFLOP/s")
+        time_steps(tower)
+        print_profile(tower, args.rows)
     return 0
 
 

@@ -6,7 +6,10 @@ and the top 15 non-matmul kernels)."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -74,15 +77,19 @@ def test_train_step_prints_mfu_against_both_peaks_and_profiles(benchmarks, tmp_p
         assert "(EMULATED on the CPU)" in out and "c0+pack+fp8" in out.split("summary (")[1]
 
 
-def test_vision_tower_prints_each_step_with_its_parity(capsys):
+def test_vision_tower_prints_each_step_with_its_parity(capsys, monkeypatch, tmp_path):
     """vision_tower.py --tiny (the CPU run of the GPU tool): a line per fast-path step, each with the features'
-    largest difference from the stock forward's, then the profile by kind."""
+    largest difference from the stock forward's, then the profile by kind; its temporary folder is gone after."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import vision_tower
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     assert vision_tower.main(["--tiny", "--pairs", "8", "--rows", "3"]) == 0
+    assert not any(scratch.iterdir())  # the processor and the JPEGs it wrote were removed
     out = capsys.readouterr().out
     steps = [line for line in out.splitlines() if "TFLOP/s =" in line]
     assert [line.split("  ")[0].strip() for line in steps] == [
@@ -90,3 +97,25 @@ def test_vision_tower_prints_each_step_with_its_parity(capsys):
         "+ patch embedding as a matmul"]
     assert all("features against the first line's: max |d|" in line for line in steps[1:])
     assert "one batch of" in out and "[attention]" in out
+
+
+def test_a_benchmarks_scratch_folder_goes_when_timeout_stops_it(tmp_path):
+    """``timeout`` ends a benchmark with SIGTERM: its temporary folder (a 7B model folder is ~16 GiB) is removed
+    then too, and a folder the caller named stays."""
+    code = ("import sys, time; sys.path.insert(0, 'benchmarks'); import common\n"
+            "with common.scratch_folder('lychee_t_', sys.argv[1] or None) as f:\n"
+            "    (f / 'weights').write_bytes(b'0' * 1024); print(f, flush=True); time.sleep(60)\n")
+    for given in ("", str(tmp_path / "named")):
+        env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "TMPDIR": str(tmp_path)}
+        proc = subprocess.Popen([sys.executable, "-c", code, given], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                text=True)
+        try:
+            folder = Path(proc.stdout.readline().strip())
+            assert (folder / "weights").is_file()
+            proc.send_signal(signal.SIGTERM)
+            # the temporary folder's exit is a SystemExit (so cleanup runs); a named folder's, the default
+            assert proc.wait(timeout=30) == (-signal.SIGTERM if given else 128 + signal.SIGTERM)
+        finally:
+            proc.kill()
+            proc.wait()
+        assert folder.exists() == bool(given)
