@@ -324,12 +324,13 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 
 @contextlib.contextmanager
-def scratch_folder(prefix: str, given: str | Path | None = None) -> Iterator[Path]:
+def scratch_folder(prefix: str, given: str | Path | None = None, keep: bool = False) -> Iterator[Path]:
     """A benchmark's working folder (model weights, JPEGs, stage folders): ``given`` is the caller's and stays;
     otherwise a new temporary folder, removed when the block ends, by an error or a SIGTERM (``timeout``) too.
-    A 7B model folder with random weights is ~16 GiB: one left in /tmp per run fills a GPU box's disk."""
-    if given is not None:
-        path = Path(given)
+    A 7B model folder with random weights is ~16 GiB: one left in /tmp per run fills a GPU box's disk.
+    ``keep`` keeps the temporary folder too (a benchmark's ``--keep``)."""
+    if given is not None or keep:
+        path = Path(given) if given is not None else Path(tempfile.mkdtemp(prefix=prefix))
         path.mkdir(parents=True, exist_ok=True)
         yield path
         return

@@ -40,7 +40,6 @@ import json
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -481,58 +480,55 @@ def main(argv: list[str] | None = None) -> int:
 
     env["cpus"] = str(cpus_available())
     log(f"env {json.dumps(env)}")
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="lychee_stage_bench_"))
-    work.mkdir(parents=True, exist_ok=True)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
+    with common.scratch_folder("lychee_stage_bench_", args.work_dir, keep=args.keep) as work:
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
 
-    t0 = time.perf_counter()
-    arch = common.architecture_name(tiny).replace(" ", "_")
-    folder = save_model_folder(work / f"model_{arch}", tiny, device, dtype)
-    log(f"model folder {folder} ready in {time.perf_counter() - t0:.1f} s")
-    processor = common.family().load_processor(str(folder))
-    t0 = time.perf_counter()
-    images = make_jpegs(work / "images", 48, args.image_side, args.seed)
-    log(f"{len(images)} JPEGs of {args.image_side}x{args.image_side} in {time.perf_counter() - t0:.1f} s "
-        f"({sum(Path(p).stat().st_size for p in images) / len(images) / 1024:.0f} KiB each)")
+        t0 = time.perf_counter()
+        arch = common.architecture_name(tiny).replace(" ", "_")
+        folder = save_model_folder(work / f"model_{arch}", tiny, device, dtype)
+        log(f"model folder {folder} ready in {time.perf_counter() - t0:.1f} s")
+        processor = common.family().load_processor(str(folder))
+        t0 = time.perf_counter()
+        images = make_jpegs(work / "images", 48, args.image_side, args.seed)
+        log(f"{len(images)} JPEGs of {args.image_side}x{args.image_side} in {time.perf_counter() - t0:.1f} s "
+            f"({sum(Path(p).stat().st_size for p in images) / len(images) / 1024:.0f} KiB each)")
 
-    results: dict = {"env": env, "args": {k: str(v) for k, v in vars(args).items()}, "lengths": {}}
-    for length in lengths:
-        label = f"{length}tok"
-        data, counts = write_table(work / f"data_{label}", processor, images, records, 9, length, args.max_pixels,
-                                   args.min_pixels, args.seed + length)
-        log(f"\n== {length} tokens/pair: {records} records, first group's pairs {min(counts)}-{max(counts)} tokens")
-        refusal = budget_refusal(folder, counts, args, device.type)
-        if refusal is not None:  # the stage would not fit: say what to change instead of running out of memory
-            log(refusal)
-            results["lengths"][label] = {"refused": refusal}
-            continue
-        stage = run_real_stage(args, work, data, folder, device.type, label)
-        choice = stage.get("activation_checkpointing")
-        layers = choice["layers"] if isinstance(choice, dict) else (
-            int(args.checkpoint_layers) if args.checkpoint_layers != "auto" else 0)
-        peak_stage = max(stage["peak_mem_gib"])
-        log(f"stage: {stage['pairs_per_s']:.2f} pairs/s over steps 2-{stage['steps']}, peak {peak_stage:.1f} GiB, "
-            f"checkpointing {json.dumps(choice)}, data loader {stage.get('dataloader')}, "
-            f"wall incl. launch and load {stage['stage_wall_s_incl_launch_and_load']:.0f} s, "
-            f"loss {stage['losses'][0][1]:.4f} -> {stage['final_loss']:.4f}")
-        window = stage_window(stage, args)
-        log(f"stage, steps {window.get('first_step')}-{window.get('last_step')}: {describe_timing(window)}")
-        results["lengths"][label] = {
-            "stage": {k: stage[k] for k in ("pairs_per_s", "peak_mem_gib", "steps", "wall_time_s", "final_loss",
-                                            "truncation", "dataloader", "activation_checkpointing",
-                                            "stage_wall_s_incl_launch_and_load", "timing") if k in stage},
-            "stage_window": window, "stage_losses": stage["losses"], "step": None,
-        }
-        if not args.no_step:
-            results["lengths"][label].update(compare_with_step(args, stage, window, data, folder, device, layers))
+        results: dict = {"env": env, "args": {k: str(v) for k, v in vars(args).items()}, "lengths": {}}
+        for length in lengths:
+            label = f"{length}tok"
+            data, counts = write_table(work / f"data_{label}", processor, images, records, 9, length, args.max_pixels,
+                                       args.min_pixels, args.seed + length)
+            log(f"\n== {length} tokens/pair: {records} records, first group's pairs {min(counts)}-{max(counts)} tokens")
+            refusal = budget_refusal(folder, counts, args, device.type)
+            if refusal is not None:  # the stage would not fit: say what to change instead of running out of memory
+                log(refusal)
+                results["lengths"][label] = {"refused": refusal}
+                continue
+            stage = run_real_stage(args, work, data, folder, device.type, label)
+            choice = stage.get("activation_checkpointing")
+            layers = choice["layers"] if isinstance(choice, dict) else (
+                int(args.checkpoint_layers) if args.checkpoint_layers != "auto" else 0)
+            peak_stage = max(stage["peak_mem_gib"])
+            log(f"stage: {stage['pairs_per_s']:.2f} pairs/s over steps 2-{stage['steps']}, peak {peak_stage:.1f} GiB, "
+                f"checkpointing {json.dumps(choice)}, data loader {stage.get('dataloader')}, "
+                f"wall incl. launch and load {stage['stage_wall_s_incl_launch_and_load']:.0f} s, "
+                f"loss {stage['losses'][0][1]:.4f} -> {stage['final_loss']:.4f}")
+            window = stage_window(stage, args)
+            log(f"stage, steps {window.get('first_step')}-{window.get('last_step')}: {describe_timing(window)}")
+            results["lengths"][label] = {
+                "stage": {k: stage[k] for k in ("pairs_per_s", "peak_mem_gib", "steps", "wall_time_s", "final_loss",
+                                                "truncation", "dataloader", "activation_checkpointing",
+                                                "stage_wall_s_incl_launch_and_load", "timing") if k in stage},
+                "stage_window": window, "stage_losses": stage["losses"], "step": None,
+            }
+            if not args.no_step:
+                results["lengths"][label].update(compare_with_step(args, stage, window, data, folder, device, layers))
 
-    results["targets_met"] = print_summary(results, args, env, device)
-    if args.out is not None:
-        (args.out / ("train_stage_tiny.json" if tiny else "train_stage.json")).write_text(
-            json.dumps(results, indent=1, default=str) + "\n")
-    if not args.keep and args.work_dir is None:
-        shutil.rmtree(work, ignore_errors=True)
+        results["targets_met"] = print_summary(results, args, env, device)
+        if args.out is not None:
+            (args.out / ("train_stage_tiny.json" if tiny else "train_stage.json")).write_text(
+                json.dumps(results, indent=1, default=str) + "\n")
     return 0
 
 
