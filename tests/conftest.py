@@ -92,7 +92,7 @@ def data_bad_corpus(tmp_path: Path) -> dict[str, Any]:
         "img-missing": "image not found", "img-zero": "zero-byte file", "img-truncated": "corrupt image",
         "img-text": "not a decodable image", "img-traversal": "path escapes the image roots",
         "img-symlink": "path escapes the image roots", "img-outside": "path escapes the image roots",
-        "img-huge": "too many pixels", "neg-left-none": "fewer than min_negatives: 0 < 1",
+        "img-huge": "too many pixels", "neg-left-none": "fewer than data_processing.normalization.min_negatives: 0 < 1 (1 removed",
         "query-missing": "query image not found",
     }
     refs = {"img-missing": "images/missing.png", "img-zero": "images/zero.png",

@@ -471,6 +471,30 @@ class RefusalHooks:
         REFUSAL_ECHO_FILTER.refused = refusal_in(error) is not None
 
 
+class EmptyTestSplitHooks:
+    """A run that evaluates (`smoke`, `full`) stops in one line as the split comes out when the test split has no
+    query, before training spends its time on a model nothing can rank; `--pipelines data` only warns."""
+
+    def __init__(self) -> None:
+        self._evaluates = False
+
+    @hook_impl
+    def before_pipeline_run(self, run_params, pipeline, catalog) -> None:
+        self._evaluates = any(node.name.rsplit(".", 1)[-1] == "score_test_set" for node in pipeline.nodes)
+
+    @hook_impl
+    def after_node_run(self, node, outputs) -> None:
+        if not self._evaluates or "test_records" not in outputs:
+            return
+        from lychee_pipeline.data.split import refuse_an_empty_test_split
+
+        try:
+            refuse_an_empty_test_split(outputs["test_records"], outputs.get("split_counts"))
+        except UserInputError:
+            REFUSAL_ECHO_FILTER.refused = True  # on_node_error does not see a hook's refusal
+            raise
+
+
 class TrackingServerHooks:
     """A run that logs to an MLflow tracking server (README "For a team") checks it answers before any work, and
     a run stopped because the server went away ends on that one line, not on the hooks' failed goodbyes to it."""

@@ -33,6 +33,7 @@ CONFIG_LOADER_ARGS = {
 }
 
 from lychee_pipeline.hooks import (  # noqa: E402
+    EmptyTestSplitHooks,
     MlflowStoreHooks,
     ParameterCheckHooks,
     TypedBlocksHooks,
@@ -46,4 +47,4 @@ from lychee_pipeline.model_source import ModelSourceHooks  # noqa: E402
 # ModelSourceHooks before ParameterCheckHooks: pluggy calls the later one of two tryfirst hooks first, so the
 # parameters are checked before the model is looked for
 HOOKS = (ProjectRootHooks(), MlflowStoreHooks(), ModelSourceHooks(), ParameterCheckHooks(), TypedBlocksHooks(),
-         RunOutcomeHooks(), RefusalHooks(), TrackingServerHooks())
+         RunOutcomeHooks(), RefusalHooks(), TrackingServerHooks(), EmptyTestSplitHooks())

@@ -166,14 +166,15 @@ def test_a_parameter_error_of_any_node_is_a_refusal():
 
 def _numbered_corpus(folder: Path, records: int = 14, products: int = 7) -> Path:
     """Issue 32 item 6: a small shop whose documents carry an id per line, the same product texts again and
-    again (record i: product i % 7 as positive, the next product as negative, all pinned to train). 28 doc_ids,
-    but the negative draw compares by doc_id or content, and a record may use only the 5 products that are not
-    its own positive or negative: a group of 8 needs 6 drawn, so every record is short of one."""
+    again (record i: product i % 7 as positive, the next product as negative, pinned to train; two more pinned to
+    test, for the run to evaluate). 28 doc_ids in training, but the negative draw compares by doc_id or content,
+    and a record may use only the 5 products that are not its own positive or negative: a group of 8 needs 6
+    drawn, so every record is short of one."""
     folder.mkdir()
-    lines = [json.dumps({"id": f"r{i}", "query": f"query {i}", "split": "train",
+    lines = [json.dumps({"id": f"r{i}", "query": f"query {i}", "split": "train" if i < records else "test",
                          "pos_doc": {"id": f"r{i}-pos", "text": f"product {i % products}"},
                          "neg_docs": [{"id": f"r{i}-neg", "text": f"product {(i + 1) % products}"}]})
-             for i in range(records)]
+             for i in range(records + 2)]
     (folder / "records.jsonl").write_text("\n".join(lines) + "\n")
     return folder
 
@@ -205,3 +206,22 @@ def test_a_parameter_a_data_node_checks_is_one_line(project, tmp_path):
     _assert_refused_in_one_line(code, lines, project, "invalid parameter data_processing.ingestion.max_text_chars: "
                                                       "must be >= 1, got 0")
     assert not [x for x in lines if "--from-nodes" in x], "a resume advice for refused input"
+
+
+def test_a_run_that_evaluates_stops_at_the_split_when_the_test_split_has_no_query(project, tmp_path):
+    """Own data too small for a test query (a newcomer's: training ran, then the evaluation failed with a
+    traceback): `smoke` stops in one line as the split comes out, before training; `data` only warns."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    records = [{"query": f"red dress {i}", "pos_doc": {"text": f"a red dress, style {i}"}, "split": "train",
+                "neg_docs": [{"text": f"a blue hat {i}"}, {"text": f"green shoes {i}"}]} for i in range(6)]
+    (raw / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, lines, _ = _kedro(project, "--pipelines", "smoke", "--params", f"data.raw_path={raw}")
+    _assert_refused_in_one_line(code, lines, project, "the test split has no query to evaluate on (6 queries in all")
+    assert "data_processing.split.ratios.test" in lines[-1]
+    ran = [x.split("Running node: ", 1)[1].split(":")[0] for x in lines if "Running node: " in x]
+    assert "split_by_query_group" in ran, ran
+    assert not [x for x in ran if x.endswith(("export_training_table", "run_stage"))], ran  # no table, no stage
+    assert not [x for x in lines if "--from-nodes" in x], "a resume advice for refused input"
+    code, lines, _ = _kedro(project, "--pipelines", "data", "--params", f"data.raw_path={raw}")
+    assert code == 0 and [x for x in lines if "no query in test" in x], "\n".join(lines)

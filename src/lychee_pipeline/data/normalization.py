@@ -165,9 +165,13 @@ def normalize_records(
                                         "image": doc["image"], "reason": problem})
                     else:
                         kept.append(doc)
+                dropped = len(row["negatives"] or []) - len(kept)
                 row["negatives"] = kept
                 if len(kept) < min_negatives:
-                    reason = f"fewer than min_negatives: {len(kept)} < {min_negatives}"
+                    # the full key, and why a record that listed negatives has too few: removed ones are listed
+                    reason = f"fewer than data_processing.normalization.min_negatives: {len(kept)} < {min_negatives}"
+                    if dropped:
+                        reason += f" ({dropped} removed, each with its reason in removed_negatives)"
             if reason:
                 if policy == "fail":
                     raise UnreadableData(f"record {row['record_id']}: {reason} (normalization.policy is 'fail')")

@@ -6,11 +6,12 @@ import hashlib
 import logging
 import os
 from collections import Counter
+from collections.abc import Sized
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from lychee_pipeline.data.params import SplitParams
-from lychee_pipeline.runtime.errors import InvalidParameter
+from lychee_pipeline.runtime.errors import InvalidParameter, UnreadableData
 from lychee_pipeline.schema import MODEL_INPUT_SCHEMA, SPLITS
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,18 @@ def split_records(normalized_records: pa.Table, split: SplitParams) -> tuple[pa.
             logger.warning("split: no query in %s (ratio %.3g): too few queries for the ratios", name, ratios[name])
     logger.info("split: %s", counts)
     return (*parts, counts)
+
+
+def refuse_an_empty_test_split(test_records: pa.Table | Sized, split_counts: dict | None = None) -> None:
+    """Evaluation ranks the test split's queries: with none, a run that evaluates stops in one line (before
+    training, as the split comes out: `hooks.EmptyTestSplitHooks`), not after training on an empty ranking."""
+    if len(test_records):
+        return
+    total = sum(int(split_counts.get(f"{name}_queries", 0)) for name in SPLITS) if split_counts else None
+    found = "" if total is None else f"{total} quer{'y' if total == 1 else 'ies'} in all after the data layer, "
+    raise UnreadableData(
+        f"the test split has no query to evaluate on ({found}split by data_processing.split.ratios): add queries, "
+        "raise data_processing.split.ratios.test, or pin queries to it with the record field \"split\": \"test\"")
 
 
 def smoke_subset(train_records: pa.Table, sample_size: int, seed: int) -> pa.Table:

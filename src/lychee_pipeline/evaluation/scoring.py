@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from lychee_pipeline.data.split import refuse_an_empty_test_split
 from lychee_pipeline.evaluation.metrics import query_rng
 from lychee_pipeline.evaluation.params import EvaluationParams
 from lychee_pipeline.evaluation.score_cache import (
@@ -285,6 +286,7 @@ def score_test_set(test_records: Any, stage_results: Sequence[StageResult], mode
     Returns the long scores table (columns :data:`SCORE_COLUMNS`, ``model`` being ``"base"`` or the stage
     name) and the scoring figures ``{"models": {name: {...}}, "processes", "device_type"}``.
     """
+    refuse_an_empty_test_split(test_records)  # `--pipelines evaluation` on its own: the same line as in `smoke`
     options = reranker_options(params)
     processes = int(params.scoring.processes or gpus or 1)
     device_type = resolve_device(str(options.get("device") or device or "auto"))

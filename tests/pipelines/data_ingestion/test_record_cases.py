@@ -59,7 +59,9 @@ def test_false_and_repeated_negatives_are_removed_with_a_reason(tmp_path):
     assert ncounts["records_in"] == ncounts["normalized"] + ncounts["quarantined"]
     kept = {r["record_id"]: [d["text"] for d in r["negatives"]] for r in normalized.to_pylist()}
     assert kept == {"r1": ["suit", "hat"]}
-    assert quarantined.to_pylist()[0]["reason"] == "fewer than min_negatives: 0 < 1"
+    assert quarantined.to_pylist()[0]["reason"] == (  # its one negative was also a positive (sku-1)
+        "fewer than data_processing.normalization.min_negatives: 0 < 1 (1 removed, each with its reason in "
+        "removed_negatives)")
     reasons = [(r["record_id"], r["reason"]) for r in removed.to_pylist()]
     assert [r for r, _ in reasons] == ["r1"] * 4 + ["r2"]
     assert sum("also a positive (sku-1)" in why for _, why in reasons) == 3
