@@ -183,7 +183,8 @@ def plan_training(
     device_type = resolve_device(device)
     check_device_count(gpus, device_type)
     if device_type == "cpu":
-        log.info("no CUDA device in use: gpus=%d runs as %d CPU processes (gloo)", gpus, gpus)
+        log.info("no CUDA device in use: gpus=%d runs as %s (gloo)", gpus,
+                 "1 CPU process" if gpus == 1 else f"{gpus} CPU processes")
     if model_config.finetune == "qlora" and device_type != "cuda":
         raise InvalidParameter("model.finetune=qlora needs a CUDA GPU (bitsandbytes 4-bit); use lora or full on CPU")
     check_strategy(launch.strategy, device_type)
