@@ -61,7 +61,8 @@ def check_images(
             rows.append(old)
         else:
             todo.append(path)
-    logger.info("images: %d unique, %d reused from the manifest, %d to check", len(paths), len(rows), len(todo))
+    logger.info("images: %d unique, %d reused from the manifest, %d to check%s", len(paths), len(rows), len(todo),
+                f" ({sum(unresolved.values())} other references not resolved: counted below)" if unresolved else "")
     with CountedProgress("checking images", len(todo), "image") as progress:
         if workers > 1 and len(todo) > 64:
             # spawn: workers start small instead of inheriting a copy of this process's memory
