@@ -13,7 +13,6 @@ import os
 import shutil
 import signal
 import tempfile
-import threading
 from pathlib import Path
 
 import math
@@ -26,6 +25,7 @@ import torch
 
 from lychee_pipeline.reranker.families import family_for
 from lychee_pipeline.reranker.families.qwen2_5_vl.recipe import TOKEN_IDS
+from lychee_pipeline.runtime.processes import StageInterrupted, sigterm_raises
 
 # The architecture the benchmark builds: family (a model_type of families.FAMILIES) and published size;
 # ``--family`` / ``--size`` (add_run_args) set it. Qwen3-VL uses the same special token ids as Qwen2.5-VL.
@@ -319,29 +319,23 @@ def environment(device: torch.device) -> dict[str, str]:
     return info
 
 
-def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signum)
-
-
 @contextlib.contextmanager
 def scratch_folder(prefix: str, given: str | Path | None = None, keep: bool = False) -> Iterator[Path]:
     """A benchmark's working folder (model weights, JPEGs, stage folders): ``given`` is the caller's and stays;
     otherwise a new temporary folder, removed when the block ends, by an error or a SIGTERM (``timeout``) too.
     A 7B model folder with random weights is ~16 GiB: one left in /tmp per run fills a GPU box's disk.
     ``keep`` keeps the temporary folder too (a benchmark's ``--keep``)."""
+    path = Path(given) if given is not None else Path(tempfile.mkdtemp(prefix=prefix))
     if given is not None or keep:
-        path = Path(given) if given is not None else Path(tempfile.mkdtemp(prefix=prefix))
         path.mkdir(parents=True, exist_ok=True)
         yield path
         return
-    path = Path(tempfile.mkdtemp(prefix=prefix))
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main_thread else None
     try:
-        yield path
+        with sigterm_raises():  # the stage launcher's own: SIGTERM raises, so the folder goes below
+            yield path
+    except StageInterrupted as stop:  # then the exit a signal gives, without a traceback
+        raise SystemExit(128 + signal.Signals[stop.signal_name]) from None
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
         shutil.rmtree(path, ignore_errors=True)
 
 

@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(info))
     import common
 
-    with common.scratch_folder("eval_scoring_", args.work_dir) as args.work_dir:
+    with common.scratch_folder("eval_scoring_", args.work_dir) as work:
+        args.work_dir = work  # both benchmarks read their folder from args
         figures = {**info, **(cuda_benchmark(args) if args.cuda else cpu_benchmark(args))}
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1, default=str))

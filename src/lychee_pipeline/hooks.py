@@ -483,7 +483,7 @@ class EmptyTestSplitHooks:
         self._evaluates = any(node.name.rsplit(".", 1)[-1] == "score_test_set" for node in pipeline.nodes)
 
     @hook_impl
-    def after_node_run(self, node, outputs) -> None:
+    def after_node_run(self, outputs) -> None:
         if not self._evaluates or "test_records" not in outputs:
             return
         from lychee_pipeline.data.split import refuse_an_empty_test_split

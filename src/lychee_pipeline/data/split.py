@@ -95,7 +95,7 @@ def split_records(normalized_records: pa.Table, split: SplitParams) -> tuple[pa.
     return (*parts, counts)
 
 
-def refuse_an_empty_test_split(test_records: pa.Table | Sized, split_counts: dict | None = None) -> None:
+def refuse_an_empty_test_split(test_records: Sized, split_counts: dict | None = None) -> None:
     """Evaluation ranks the test split's queries: with none, a run that evaluates stops in one line (before
     training, as the split comes out: `hooks.EmptyTestSplitHooks`), not after training on an empty ranking."""
     if len(test_records):
